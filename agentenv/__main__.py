@@ -1,0 +1,5 @@
+"""`python -m agentenv` == the `agentenv` CLI."""
+
+from agentenv.cli import main
+
+main()

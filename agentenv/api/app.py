@@ -1,0 +1,422 @@
+"""The E2B-compatible control API on aiohttp.
+
+`setup_api()` adds the routes plus one middleware to any aiohttp app, so the server can share a
+listener with the traffic proxy. The middleware only touches requests that resolved to one of the
+routes added here, or that matched no route at all (JSON 404/405); anything else passes untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import json
+import logging
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import resources
+from typing import Any, Awaitable, Callable, Protocol, TypeVar
+from urllib.parse import unquote
+
+from aiohttp import web
+from aiohttp.web_urldispatcher import AbstractRoute
+from pydantic import BaseModel, ValidationError
+
+from agentenv.api import schemas
+from agentenv.api.auth import ApiKeyAuth
+from agentenv.config import Settings
+from agentenv.errors import AgentEnvError, BadRequest, Conflict
+from agentenv.models import SandboxRecord, TemplateRecord
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+M = TypeVar("M", bound=BaseModel)
+
+PAGE_LIMIT_MAX = 100
+CORS_HEADERS = {
+    "Access-Control-Allow-Origin": "*",
+    "Access-Control-Expose-Headers": "X-Next-Token, X-Request-Id",
+}
+CORS_PREFLIGHT_HEADERS = {
+    "Access-Control-Allow-Methods": "GET, POST, PUT, DELETE, OPTIONS",
+    "Access-Control-Max-Age": "86400",
+}
+
+
+class Orchestrator(Protocol):
+    """What the API needs from the orchestrator (agentenv.orchestrator implements it)."""
+
+    async def create_sandbox(self, *, team_id: str, template: str, timeout: int, metadata: dict[str, str],
+                             env_vars: dict[str, str], secure: bool, auto_pause: bool, auto_resume: bool,
+                             allow_internet_access: bool | None, network: dict | None) -> SandboxRecord: ...
+    async def get_sandbox(self, sandbox_id: str, *, team_id: str) -> SandboxRecord: ...
+    async def list_sandboxes(self, *, team_id: str) -> list[SandboxRecord]: ...
+    async def kill_sandbox(self, sandbox_id: str, *, team_id: str) -> None: ...
+    async def set_timeout(self, sandbox_id: str, timeout: int, *, team_id: str) -> None: ...
+    async def refresh(self, sandbox_id: str, duration: int, *, team_id: str) -> None: ...
+    async def connect_sandbox(self, sandbox_id: str, timeout: int, *,
+                              team_id: str) -> tuple[SandboxRecord, bool]: ...
+    async def pause_sandbox(self, sandbox_id: str, *, team_id: str) -> None: ...
+    async def list_templates(self) -> list[TemplateRecord]: ...
+
+
+@dataclass
+class ApiContext:
+    orchestrator: Orchestrator
+    auth: ApiKeyAuth
+    settings: Settings
+    routes: set[AbstractRoute] = field(default_factory=set)
+    public_routes: set[AbstractRoute] = field(default_factory=set)
+
+
+API_CONTEXT = web.AppKey("agentenv_api", ApiContext)
+_TEAM = web.RequestKey("agentenv_team_id", str)
+_REQUEST_ID = web.RequestKey("agentenv_request_id", str)
+
+
+@functools.cache
+def openapi_text() -> str:
+    """The spec shipped as package data (the single source the request models were written from)."""
+    return resources.files("agentenv.api").joinpath("openapi.yaml").read_text(encoding="utf-8")
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+
+def _error_response(status: int, body: dict[str, Any], request_id: str | None = None) -> web.Response:
+    resp = web.json_response(body, status=status)
+    if request_id:
+        resp.headers["X-Request-Id"] = request_id
+    return resp
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+async def _body(request: web.Request, model: type[M], *, required: bool) -> M:
+    """Parses a JSON object body into `model`; an absent body counts as `{}` unless required."""
+    raw = await request.read()
+    if not raw.strip():
+        if required:
+            raise BadRequest("Request body is required (a JSON object)")
+        data: Any = {}
+    else:
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"Malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"Request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise BadRequest(f"Invalid request body: {_describe(e)}") from None
+
+
+def _check_timeout(timeout: int, settings: Settings, name: str = "timeout") -> int:
+    if timeout < 0:
+        raise BadRequest(f"{name} must not be negative (got {timeout})")
+    if timeout > settings.max_timeout_s:
+        raise BadRequest(f"Timeout cannot be greater than {settings.max_timeout_s / 3600:g} hours")
+    return timeout
+
+
+def parse_metadata_filter(value: str) -> dict[str, str]:
+    """Decodes the `metadata` query value as E2B does (see e2b-protocol.md 3.4).
+
+    `value` is already query-decoded once by the framework; it is `k=v&k2=v2`, URL-encoded once
+    more as a whole and again per key/value.
+    """
+    out: dict[str, str] = {}
+    for pair in unquote(value).split("&"):
+        if not pair:
+            continue
+        key, sep, val = pair.partition("=")
+        if not sep or not key:
+            raise BadRequest(f"Invalid metadata filter {value!r}: expected key=value pairs joined by '&'")
+        out[unquote(key)] = unquote(val)
+    return out
+
+
+def _parse_time(value: str, name: str) -> datetime:
+    # A literal '+' of an unencoded offset arrives as a space after query decoding.
+    try:
+        dt = datetime.fromisoformat(value.strip().replace(" ", "+"))
+    except ValueError:
+        raise BadRequest(f"Invalid {name} {value!r}: expected an RFC 3339 time") from None
+    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
+
+
+def encode_page_token(rec: SandboxRecord) -> str:
+    raw = json.dumps([rec.started_at.astimezone(timezone.utc).isoformat(), rec.sandbox_id])
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_page_token(token: str) -> tuple[datetime, str]:
+    try:
+        started, sandbox_id = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+        at = datetime.fromisoformat(started)
+        if at.tzinfo is None or not isinstance(sandbox_id, str):
+            raise ValueError("not a token we issued")
+        return at, sandbox_id
+    except (ValueError, TypeError, binascii.Error):
+        raise BadRequest("Invalid nextToken: pass the X-Next-Token value of a previous response") from None
+
+
+def _sort_key(rec: SandboxRecord) -> tuple[datetime, str]:
+    return rec.started_at, rec.sandbox_id
+
+
+# --- handlers -------------------------------------------------------------------------------------
+
+
+class _Handlers:
+    def __init__(self, ctx: ApiContext):
+        self.ctx = ctx
+        self.orch = ctx.orchestrator
+        self.settings = ctx.settings
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.Response(text=openapi_text(), content_type="application/yaml")
+
+    async def list_templates(self, request: web.Request) -> web.Response:
+        return web.json_response([schemas.template_json(t) for t in await self.orch.list_templates()])
+
+    async def _create(self, request: web.Request, body: schemas.NewSandboxV2, *, timeout: int,
+                      secure: bool) -> web.Response:
+        rec = await self.orch.create_sandbox(
+            team_id=request[_TEAM],
+            template=body.template_id,
+            timeout=_check_timeout(timeout, self.settings),
+            metadata=body.metadata or {},
+            env_vars=body.env_vars or {},
+            secure=secure,
+            auto_pause=body.auto_pause,
+            auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+            allow_internet_access=body.allow_internet_access,
+            network=body.network.wire() if body.network is not None else None,
+        )
+        return web.json_response(schemas.sandbox_json(rec, self.settings), status=201)
+
+    async def create_v1(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.NewSandbox, required=True)
+        timeout = schemas.V1_DEFAULT_TIMEOUT if body.timeout is None else body.timeout
+        return await self._create(request, body, timeout=timeout, secure=body.secure)
+
+    async def create_v2(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.NewSandboxV2, required=True)
+        timeout = self.settings.default_timeout_s if body.timeout is None else body.timeout
+        return await self._create(request, body, timeout=timeout, secure=True)
+
+    def _filter(self, recs: list[SandboxRecord], request: web.Request) -> list[SandboxRecord]:
+        q = request.query
+        if "metadata" in q:
+            wanted = parse_metadata_filter(q["metadata"])
+            recs = [r for r in recs if all(r.metadata.get(k) == v for k, v in wanted.items())]
+        return recs
+
+    async def list_v1(self, request: web.Request) -> web.Response:
+        recs = [r for r in await self.orch.list_sandboxes(team_id=request[_TEAM]) if r.state.public == "running"]
+        recs = sorted(self._filter(recs, request), key=_sort_key, reverse=True)
+        return web.json_response([schemas.listed_sandbox_json(r) for r in recs])
+
+    async def list_v2(self, request: web.Request) -> web.Response:
+        q = request.query
+        # Validate every parameter before touching the orchestrator.
+        states: set[str] | None = None
+        if q.get("state"):
+            # SDKs send `state=running,paused`; repeated `state=` params are accepted too.
+            states = {s.strip() for v in q.getall("state") for s in v.split(",") if s.strip()}
+            bad = states - {"running", "paused"}
+            if bad:
+                raise BadRequest(f"Invalid state {sorted(bad)[0]!r}: expected 'running' and/or 'paused'")
+        order = q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise BadRequest(f"Invalid order {order!r}: expected 'asc' or 'desc'")
+        started_after = _parse_time(q["startedAfter"], "startedAfter") if q.get("startedAfter") else None
+        try:
+            limit = int(q.get("limit", PAGE_LIMIT_MAX))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= PAGE_LIMIT_MAX:
+            raise BadRequest(f"Invalid limit {q.get('limit')!r}: expected an integer from 1 to {PAGE_LIMIT_MAX}")
+        cursor = decode_page_token(q["nextToken"]) if q.get("nextToken") else None
+        if "metadata" in q:
+            parse_metadata_filter(q["metadata"])
+
+        recs = self._filter(await self.orch.list_sandboxes(team_id=request[_TEAM]), request)
+        if states is not None:
+            recs = [r for r in recs if r.state.public in states]
+        if started_after is not None:
+            recs = [r for r in recs if r.started_at > started_after]
+        if q.get("template"):
+            recs = [r for r in recs if q["template"] in (r.template_id, r.alias)]
+        desc = order == "desc"
+        recs.sort(key=_sort_key, reverse=desc)
+        if cursor is not None:
+            recs = [r for r in recs if (_sort_key(r) < cursor if desc else _sort_key(r) > cursor)]
+        page = recs[:limit]
+        resp = web.json_response([schemas.listed_sandbox_json(r) for r in page])
+        if len(recs) > limit:
+            resp.headers["X-Next-Token"] = encode_page_token(page[-1])
+        return resp
+
+    async def get_sandbox(self, request: web.Request) -> web.Response:
+        rec = await self.orch.get_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM])
+        return web.json_response(schemas.sandbox_detail_json(rec, self.settings))
+
+    async def kill_sandbox(self, request: web.Request) -> web.Response:
+        await self.orch.kill_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM])
+        return web.Response(status=204)
+
+    async def set_timeout(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.SandboxTimeoutRequest, required=True)
+        timeout = _check_timeout(body.timeout, self.settings)
+        await self.orch.set_timeout(request.match_info["sandboxID"], timeout, team_id=request[_TEAM])
+        return web.Response(status=204)
+
+    async def refresh(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.SandboxRefreshRequest, required=False)
+        await self.orch.refresh(request.match_info["sandboxID"], body.duration, team_id=request[_TEAM])
+        return web.Response(status=204)
+
+    async def _connect(self, request: web.Request, timeout: int) -> web.Response:
+        rec, resumed = await self.orch.connect_sandbox(
+            request.match_info["sandboxID"], _check_timeout(timeout, self.settings), team_id=request[_TEAM]
+        )
+        return web.json_response(schemas.sandbox_json(rec, self.settings), status=201 if resumed else 200)
+
+    async def connect_v1(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.ConnectSandbox, required=True)
+        return await self._connect(request, body.timeout)
+
+    async def connect_v2(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.ConnectSandboxV2, required=False)
+        return await self._connect(request, self.settings.default_timeout_s if body.timeout is None else body.timeout)
+
+    async def resume(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.ResumedSandbox, required=False)
+        timeout = _check_timeout(body.timeout, self.settings)
+        sandbox_id = request.match_info["sandboxID"]
+        rec = await self.orch.get_sandbox(sandbox_id, team_id=request[_TEAM])
+        if rec.state.public == "running":
+            raise Conflict(f"Sandbox {sandbox_id} is already running")
+        rec, _ = await self.orch.connect_sandbox(sandbox_id, timeout, team_id=request[_TEAM])
+        return web.json_response(schemas.sandbox_json(rec, self.settings), status=201)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        await _body(request, schemas.SandboxPauseRequest, required=False)
+        await self.orch.pause_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM])
+        return web.Response(status=204)
+
+
+# --- middleware -----------------------------------------------------------------------------------
+
+
+def _make_middleware(ctx: ApiContext):
+    @web.middleware
+    async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        match = request.match_info
+        routing_error = match.http_exception
+        if routing_error is None and match.route not in ctx.routes:
+            return await handler(request)  # someone else's route: not ours to touch
+        request_id = uuid.uuid4().hex[:16]
+        request[_REQUEST_ID] = request_id
+        resp: web.StreamResponse
+        if routing_error is not None:
+            if request.method == "OPTIONS" and routing_error.status == 405:
+                resp = web.Response(status=204, headers=CORS_PREFLIGHT_HEADERS)
+                wanted = request.headers.get("Access-Control-Request-Headers")
+                if wanted:
+                    resp.headers["Access-Control-Allow-Headers"] = wanted
+            else:
+                message = (f"Method {request.method} not allowed on {request.path}" if routing_error.status == 405
+                           else f"No route {request.method} {request.path}")
+                resp = _error_response(routing_error.status, {"code": routing_error.status, "message": message},
+                                       request_id)
+                if routing_error.status == 405 and "Allow" in routing_error.headers:
+                    resp.headers["Allow"] = routing_error.headers["Allow"]
+        else:
+            try:
+                if match.route not in ctx.public_routes:
+                    key = await ctx.auth.authenticate(request.headers.get("X-API-KEY"))
+                    request[_TEAM] = key.team_id
+                resp = await handler(request)
+            except AgentEnvError as e:
+                if e.status >= 500:
+                    log.error("request %s %s %s failed: %s", request_id, request.method, request.path, e.message)
+                resp = _error_response(e.status, e.to_json(), request_id)
+            except web.HTTPException as e:
+                if e.status < 400:
+                    raise
+                resp = _error_response(e.status, {"code": e.status, "message": e.reason}, request_id)
+            except (asyncio.CancelledError, ConnectionResetError):
+                raise
+            except Exception:
+                log.exception("request %s %s %s: unhandled error", request_id, request.method, request.path)
+                resp = _error_response(
+                    500, {"code": 500, "message": f"Internal server error (request id {request_id})"}, request_id
+                )
+        resp.headers.update(CORS_HEADERS)
+        return resp
+
+    return api_middleware
+
+
+# --- public entry points --------------------------------------------------------------------------
+
+
+def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth, settings: Settings) -> ApiContext:
+    """Adds the control-API routes and its error/auth/CORS middleware to `app` (before it starts)."""
+    ctx = ApiContext(orchestrator=orchestrator, auth=auth, settings=settings)
+    h = _Handlers(ctx)
+    r = app.router
+
+    def add(method: str, path: str, handler: Handler, *, public: bool = False) -> None:
+        route = r.add_route(method, path, handler)
+        ctx.routes.add(route)
+        if public:
+            ctx.public_routes.add(route)
+        if method == "GET":  # aiohttp's implicit HEAD route for GET handlers
+            head = r.add_route("HEAD", path, handler)
+            ctx.routes.add(head)
+            if public:
+                ctx.public_routes.add(head)
+
+    add("GET", "/health", h.health, public=True)
+    add("GET", "/openapi.yaml", h.openapi, public=True)
+    add("GET", "/templates", h.list_templates)
+    add("GET", "/sandboxes", h.list_v1)
+    add("POST", "/sandboxes", h.create_v1)
+    add("GET", "/v2/sandboxes", h.list_v2)
+    add("POST", "/v2/sandboxes", h.create_v2)
+    add("GET", "/sandboxes/{sandboxID}", h.get_sandbox)
+    add("DELETE", "/sandboxes/{sandboxID}", h.kill_sandbox)
+    add("POST", "/sandboxes/{sandboxID}/timeout", h.set_timeout)
+    add("POST", "/sandboxes/{sandboxID}/refreshes", h.refresh)
+    add("POST", "/sandboxes/{sandboxID}/connect", h.connect_v1)
+    add("POST", "/v2/sandboxes/{sandboxID}/connect", h.connect_v2)
+    add("POST", "/sandboxes/{sandboxID}/resume", h.resume)
+    add("POST", "/sandboxes/{sandboxID}/pause", h.pause)
+
+    app[API_CONTEXT] = ctx
+    app.middlewares.append(_make_middleware(ctx))
+    return ctx
+
+
+def create_api_app(orchestrator: Orchestrator, auth: ApiKeyAuth, settings: Settings) -> web.Application:
+    """A standalone aiohttp app serving only the control API."""
+    app = web.Application()
+    setup_api(app, orchestrator, auth, settings)
+    return app

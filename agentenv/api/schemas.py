@@ -1,0 +1,179 @@
+"""Request models and response serializers, written from agentenv/api/openapi.yaml.
+
+Requests are strict on types (`"5"` is not a timeout, `1` is not a bool) and ignore unknown fields,
+as E2B does, so newer SDKs sending extra fields keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentenv.config import Settings
+from agentenv.constants import CLIENT_ID, ENVD_VERSION
+from agentenv.models import SandboxRecord, TemplateRecord, rfc3339
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=False)
+
+
+class AutoResumeConfig(_Body):
+    enabled: bool
+
+
+class EgressProxy(_Body):
+    address: str
+    username: str | None = None
+    password: str | None = None
+
+
+class NetworkConfig(_Body):
+    """Validated for types, then handed to the orchestrator as a camelCase dict of the known fields sent."""
+
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
+    allow_out: list[str] | None = Field(default=None, alias="allowOut")
+    deny_out: list[str] | None = Field(default=None, alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    egress_proxy: EgressProxy | None = Field(default=None, alias="egressProxy")
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost")
+    https_ports: list[int] | None = Field(default=None, alias="httpsPorts")
+    rules: dict[str, list[dict[str, Any]]] | None = None
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+
+class NewSandboxV2(_Body):
+    template_id: str = Field(alias="templateID", min_length=1)
+    timeout: int | None = None  # default applied by the handler (settings)
+    auto_pause: bool = Field(default=False, alias="autoPause")
+    auto_pause_memory: bool = Field(default=True, alias="autoPauseMemory")
+    auto_resume: AutoResumeConfig | None = Field(default=None, alias="autoResume")
+    allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+
+
+class NewSandbox(NewSandboxV2):
+    """Legacy v1 create body: adds `secure`; its documented default timeout is 15 s."""
+
+    secure: bool = False
+
+
+V1_DEFAULT_TIMEOUT = 15
+
+
+class ConnectSandbox(_Body):
+    timeout: int
+    memory: bool | None = None
+
+
+class ConnectSandboxV2(_Body):
+    timeout: int | None = None
+    memory: bool | None = None
+
+
+class ResumedSandbox(_Body):
+    timeout: int = V1_DEFAULT_TIMEOUT
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+    memory: bool | None = None
+
+
+class SandboxTimeoutRequest(_Body):
+    timeout: int
+
+
+REFRESH_DEFAULT_S = 15
+REFRESH_MAX_S = 3600
+
+
+class SandboxRefreshRequest(_Body):
+    duration: int = Field(default=REFRESH_DEFAULT_S, ge=0, le=REFRESH_MAX_S)
+
+
+class SandboxPauseRequest(_Body):
+    memory: bool | None = None
+    require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+def sandbox_json(rec: SandboxRecord, settings: Settings) -> dict[str, Any]:
+    """`Sandbox`: what create/connect/resume return."""
+    out: dict[str, Any] = {
+        "templateID": rec.template_id,
+        "sandboxID": rec.sandbox_id,
+        "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+        "trafficAccessToken": rec.traffic_access_token,
+        "domain": settings.domain or None,
+    }
+    if rec.alias:
+        out["alias"] = rec.alias
+    if rec.envd_access_token:
+        out["envdAccessToken"] = rec.envd_access_token
+    return out
+
+
+def _listed_common(rec: SandboxRecord) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "templateID": rec.template_id,
+        "sandboxID": rec.sandbox_id,
+        "clientID": CLIENT_ID,
+        "startedAt": rfc3339(rec.started_at),
+        "endAt": rfc3339(rec.end_at),
+        "envdVersion": ENVD_VERSION,
+        "cpuCount": rec.cpu_count,
+        "memoryMB": rec.memory_mb,
+        "diskSizeMB": rec.disk_mb,
+        "state": rec.state.public,
+        "metadata": dict(rec.metadata),
+    }
+    if rec.alias:
+        out["alias"] = rec.alias
+    return out
+
+
+def listed_sandbox_json(rec: SandboxRecord) -> dict[str, Any]:
+    """`ListedSandbox`: one entry of GET /sandboxes and GET /v2/sandboxes."""
+    return _listed_common(rec)
+
+
+def sandbox_detail_json(rec: SandboxRecord, settings: Settings) -> dict[str, Any]:
+    """`SandboxDetail`: GET /sandboxes/{id} (1.x SDKs also connect through it, hence the token)."""
+    out = _listed_common(rec)
+    out["domain"] = settings.domain or None
+    out["allowInternetAccess"] = rec.allow_internet_access
+    out["lifecycle"] = {"autoResume": rec.auto_resume, "onTimeout": "pause" if rec.auto_pause else "kill"}
+    if rec.envd_access_token:
+        out["envdAccessToken"] = rec.envd_access_token
+    if rec.network is not None:
+        out["network"] = rec.network
+    return out
+
+
+def template_json(rec: TemplateRecord) -> dict[str, Any]:
+    """`Template`: E2B requires build bookkeeping fields we don't track; report one ready build."""
+    created = rfc3339(rec.created_at)
+    return {
+        "templateID": rec.template_id,
+        "buildID": rec.template_id,
+        "cpuCount": rec.cpu_count,
+        "memoryMB": rec.memory_mb,
+        "diskSizeMB": rec.disk_mb,
+        "public": rec.public,
+        "aliases": list(rec.aliases),
+        "names": list(rec.aliases),
+        "createdAt": created,
+        "updatedAt": created,
+        "createdBy": None,
+        "lastSpawnedAt": None,
+        "spawnCount": 0,
+        "buildCount": 1,
+        "envdVersion": ENVD_VERSION,
+        "buildStatus": "ready",
+    }

@@ -1,0 +1,345 @@
+"""`agentenv` command line: serve, doctor, images, API keys, sandboxes, garbage collection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from agentenv import __version__
+from agentenv.config import Settings
+
+console = Console(stderr=True)
+
+
+def _settings(data_dir: str | None = None, **kw) -> Settings:
+    overrides = {k: v for k, v in kw.items() if v is not None}
+    if data_dir:
+        overrides["data_dir"] = Path(data_dir)
+    return Settings(**overrides)
+
+
+@contextlib.contextmanager
+def _progress() -> Iterator:
+    """A rich progress bar fed by the image store's (message, fraction) callbacks."""
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  TimeElapsedColumn(), console=console, transient=False) as prog:
+        tasks: dict[str, int] = {}
+        state = {"current": None}
+
+        def cb(message: str, fraction: float | None) -> None:
+            stage = message.split(":", 1)[0] if ":" in message else message
+            if state["current"] != stage or stage not in tasks:
+                if state["current"] in tasks:
+                    prog.update(tasks[state["current"]], completed=100)
+                if stage not in tasks:
+                    tasks[stage] = prog.add_task(stage, total=100)
+                state["current"] = stage
+            desc = message if len(message) < 70 else message[:67] + "..."
+            if fraction is None:
+                prog.update(tasks[stage], description=desc)
+            else:
+                prog.update(tasks[stage], description=desc, completed=max(0.0, min(1.0, fraction)) * 100)
+
+        yield cb
+        for t in tasks.values():
+            prog.update(t, completed=100)
+
+
+@contextlib.contextmanager
+def server_lock(settings: Settings, *, wait: bool = False) -> Iterator[None]:
+    """One server per data dir; `gc` refuses to run while a server holds the lock."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(settings.data_dir / "server.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise click.ClickException(f"another agentenv server is using {settings.data_dir}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
+
+
+@click.group()
+@click.version_option(__version__)
+@click.option("--log-level", default=os.environ.get("AGENTENV_LOG_LEVEL", "INFO"), show_default=True)
+def main(log_level: str) -> None:
+    """Self-hosted, E2B-compatible, forkable sandboxes."""
+    from agentenv.server import setup_logging
+
+    setup_logging(log_level)
+
+
+# ---------------------------------------------------------------- serve
+
+
+@main.command()
+@click.option("--host", default=None, help="listen address (AGENTENV_HOST, default 127.0.0.1)")
+@click.option("--port", type=int, default=None, help="listen port (AGENTENV_PORT, default 3000)")
+@click.option("--data-dir", default=None, help="everything the server keeps (AGENTENV_DATA_DIR)")
+def serve(host: str | None, port: int | None, data_dir: str | None) -> None:
+    """Run the single-node server (control API + sandbox traffic on one listener)."""
+    from agentenv.server import serve as run
+
+    settings = _settings(data_dir, host=host, port=port)
+    _require_root()
+    with server_lock(settings), _progress() as cb:
+        try:
+            asyncio.run(run(settings, progress=cb))
+        except KeyboardInterrupt:
+            pass
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise click.ClickException("agentenv needs root (network namespaces, mounts, runsc); run it as root")
+
+
+# ---------------------------------------------------------------- doctor
+
+
+@main.command()
+@click.option("--data-dir", default=None)
+def doctor(data_dir: str | None) -> None:
+    """Check the host: runsc, debootstrap, netns, cgroups, overlayfs, KVM, free disk."""
+    from agentenv.doctor import run_checks
+
+    settings = _settings(data_dir)
+    results = run_checks(settings)
+    table = Table(title="agentenv doctor")
+    for col in ("check", "status", "detail", "how to fix"):
+        table.add_column(col)
+    colors = {"ok": "green", "warn": "yellow", "fail": "red", "info": "cyan"}
+    for r in results:
+        table.add_row(r.name, f"[{colors[r.status]}]{r.status}[/]", r.detail, r.fix or "")
+    Console().print(table)
+    if any(r.status == "fail" for r in results):
+        sys.exit(1)
+
+
+# ---------------------------------------------------------------- images
+
+
+@main.group()
+def image() -> None:
+    """Base images and the tools layer."""
+
+
+@image.command("build")
+@click.option("--data-dir", default=None)
+def image_build(data_dir: str | None) -> None:
+    """Build (or verify the cache of) the base image and the tools layer."""
+    from agentenv.storage.images import ImageStore
+
+    _require_root()
+    settings = _settings(data_dir)
+    store = ImageStore(settings)
+
+    async def go() -> tuple[Path, Path]:
+        with _progress() as cb:
+            base = await store.ensure_base(cb)
+            tools = await store.ensure_tools(cb)
+        return base, tools
+
+    base, tools = asyncio.run(go())
+    click.echo(f"base image:  {base}")
+    click.echo(f"tools layer: {tools}")
+
+
+@image.command("list")
+@click.option("--data-dir", default=None)
+def image_list(data_dir: str | None) -> None:
+    """List built images."""
+    from agentenv.storage.images import ImageStore
+
+    store = ImageStore(_settings(data_dir))
+    table = Table()
+    rows = store.list_images()
+    cols = list(rows[0].keys()) if rows else ["name"]
+    for c in cols:
+        table.add_column(str(c))
+    for r in rows:
+        table.add_row(*(str(r.get(c, "")) for c in cols))
+    Console().print(table)
+
+
+# ---------------------------------------------------------------- API keys
+
+
+@main.group()
+def keys() -> None:
+    """API keys (stored hashed in the state store)."""
+
+
+async def _with_auth(settings: Settings, fn):
+    from agentenv.api.auth import ApiKeyAuth
+    from agentenv.state.sqlite import SQLiteStateStore
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store = SQLiteStateStore(settings.paths.state_db)
+    await store.open()
+    try:
+        return await fn(ApiKeyAuth(store))
+    finally:
+        await store.close()
+
+
+@keys.command("create")
+@click.option("--name", default="default", show_default=True)
+@click.option("--team", default="default", show_default=True)
+@click.option("--data-dir", default=None)
+def keys_create(name: str, team: str, data_dir: str | None) -> None:
+    """Create an API key; prints it once (only its hash is stored)."""
+    key, rec = asyncio.run(_with_auth(_settings(data_dir), lambda a: a.create_key(name, team_id=team)))
+    click.echo(key)
+    console.print(f"key id {rec.key_id} (team {rec.team_id}); export E2B_API_KEY={key}")
+
+
+@keys.command("list")
+@click.option("--data-dir", default=None)
+def keys_list(data_dir: str | None) -> None:
+    recs = asyncio.run(_with_auth(_settings(data_dir), lambda a: a.list_keys()))
+    table = Table()
+    for c in ("id", "name", "team", "created", "revoked"):
+        table.add_column(c)
+    for r in recs:
+        table.add_row(r.key_id, r.name, r.team_id, r.created_at.isoformat(timespec="seconds"), str(r.revoked))
+    Console().print(table)
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@click.option("--data-dir", default=None)
+def keys_revoke(key_id: str, data_dir: str | None) -> None:
+    asyncio.run(_with_auth(_settings(data_dir), lambda a: a.revoke(key_id)))
+    click.echo(f"revoked {key_id}")
+
+
+# ---------------------------------------------------------------- sandboxes (through the API)
+
+
+def _api(api_url: str | None, api_key: str | None) -> tuple[str, dict[str, str]]:
+    url = (api_url or os.environ.get("E2B_API_URL") or "http://127.0.0.1:3000").rstrip("/")
+    key = api_key or os.environ.get("E2B_API_KEY")
+    if not key:
+        raise click.ClickException("set E2B_API_KEY or pass --api-key")
+    return url, {"X-API-KEY": key}
+
+
+def _call(method: str, url: str, headers: dict[str, str], body: dict | None = None):
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async with http.request(method, url, headers=headers, json=body) as resp:
+                text = await resp.text()
+                data = json.loads(text) if text else None
+                if resp.status >= 300:
+                    msg = data.get("message") if isinstance(data, dict) else text
+                    raise click.ClickException(f"HTTP {resp.status}: {msg}")
+                return data
+
+    return asyncio.run(go())
+
+
+api_opts = [click.option("--api-url", default=None, help="default $E2B_API_URL"),
+            click.option("--api-key", default=None, help="default $E2B_API_KEY")]
+
+
+def _with_api_opts(f):
+    for opt in reversed(api_opts):
+        f = opt(f)
+    return f
+
+
+@main.group()
+def sandbox() -> None:
+    """Create, list and kill sandboxes on a running server."""
+
+
+@sandbox.command("list")
+@_with_api_opts
+def sandbox_list(api_url, api_key) -> None:
+    url, h = _api(api_url, api_key)
+    rows = _call("GET", f"{url}/v2/sandboxes", h) or []
+    table = Table()
+    for c in ("sandboxID", "templateID", "state", "startedAt", "endAt", "metadata"):
+        table.add_column(c)
+    for r in rows:
+        table.add_row(r["sandboxID"], r["templateID"], r["state"], r["startedAt"], r["endAt"],
+                      json.dumps(r.get("metadata") or {}))
+    Console().print(table)
+
+
+@sandbox.command("create")
+@click.option("--template", default="base", show_default=True)
+@click.option("--timeout", type=int, default=300, show_default=True)
+@_with_api_opts
+def sandbox_create(template, timeout, api_url, api_key) -> None:
+    url, h = _api(api_url, api_key)
+    r = _call("POST", f"{url}/v2/sandboxes", h, {"templateID": template, "timeout": timeout})
+    click.echo(r["sandboxID"])
+
+
+@sandbox.command("kill")
+@click.argument("sandbox_ids", nargs=-1, required=True)
+@_with_api_opts
+def sandbox_kill(sandbox_ids, api_url, api_key) -> None:
+    url, h = _api(api_url, api_key)
+    for sid in sandbox_ids:
+        _call("DELETE", f"{url}/sandboxes/{sid}", h)
+        click.echo(f"killed {sid}")
+
+
+# ---------------------------------------------------------------- gc
+
+
+@main.command()
+@click.option("--data-dir", default=None)
+def gc(data_dir: str | None) -> None:
+    """Remove containers, netns, mounts and dirs of this data dir that no live sandbox owns.
+
+    Refuses while a server runs on the data dir. Running sandboxes cannot outlive their server's
+    state, so all of them are removed; paused sandboxes (kept on disk) are not touched.
+    """
+    from agentenv.server import build
+
+    _require_root()
+    settings = _settings(data_dir)
+
+    async def go():
+        c = await build(settings)
+        try:
+            from agentenv.models import SandboxState
+
+            keep = set()
+            for rec in await c.store.list_sandboxes():
+                if rec.state == SandboxState.PAUSED:
+                    keep.add(rec.sandbox_id)
+                else:
+                    await c.store.delete_sandbox(rec.sandbox_id)
+            return await c.orchestrator.gc(keep)
+        finally:
+            await c.store.close()
+
+    with server_lock(settings):
+        removed = asyncio.run(go())
+    for kind, ids in removed.items():
+        click.echo(f"{kind}: removed {len(ids)}" + (f" ({', '.join(ids)})" if ids else ""))
+
+
+if __name__ == "__main__":
+    main()

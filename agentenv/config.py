@@ -1,0 +1,127 @@
+"""Server configuration: defaults < config file (TOML) < AGENTENV_* environment variables.
+
+Everything the server keeps lives under `data_dir`; see `Paths` for the layout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+
+def _config_file() -> Path | None:
+    p = os.environ.get("AGENTENV_CONFIG")
+    if p:
+        return Path(p)
+    default = Path("/etc/agentenv/agentenv.toml")
+    return default if default.exists() else None
+
+
+class Settings(BaseSettings):
+    """All knobs of a single-node server. Env var = AGENTENV_<FIELD NAME UPPERCASE>."""
+
+    model_config = SettingsConfigDict(env_prefix="AGENTENV_", extra="ignore")
+
+    data_dir: Path = Path("/var/lib/agentenv")
+    host: str = "127.0.0.1"
+    port: int = 3000
+    # Public base URL printed for E2B_API_URL / E2B_SANDBOX_URL (default http://<host>:<port>).
+    public_url: str | None = None
+    # Domain returned to SDKs for get_host(): "<port>-<sandboxID>.<domain>".
+    domain: str | None = None
+
+    runtime: str = "gvisor"
+    runsc_path: str = "runsc"
+    runsc_platform: str = "ptrace"
+    debian_mirror: str = "http://deb.debian.org/debian"
+    debian_suite: str = "bookworm"
+
+    default_cpu_count: int = 2
+    default_memory_mb: int = 1024
+    default_disk_mb: int = 4096
+    default_timeout_s: int = 300
+    max_timeout_s: int = 24 * 3600
+    max_sandboxes: int = 200
+    max_upload_bytes: int = 1024 * 1024 * 1024
+    fork_max_count: int = 16
+
+    # Host-side addressing of sandbox slots: one /30 per slot inside this /16.
+    slot_subnet: str = "10.213.0.0/16"
+    allow_internet_access: bool = True
+
+    # Snapshot store: "local" (a directory; default <data_dir>/snapshots) or "s3" (any S3-compatible store).
+    snapshot_store: str = "local"
+    snapshot_dir: Path | None = None
+    s3_bucket: str | None = None
+    s3_prefix: str = "agentenv/"
+    s3_endpoint: str | None = None
+    s3_access_key: str | None = None
+    s3_secret_key: str | None = None
+    s3_region: str = "us-east-1"
+
+    # API key created on first start if none exists (printed by `serve`).
+    bootstrap_api_key: str | None = Field(default=None)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        cfg = _config_file()
+        if cfg is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=cfg))
+        return tuple(sources)
+
+    @property
+    def paths(self) -> "Paths":
+        return Paths(self.data_dir)
+
+    def api_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Layout of the data dir. Everything the server writes lives below `root`."""
+
+    root: Path
+
+    @property
+    def images(self) -> Path:  # built base images, the tools layer
+        return self.root / "images"
+
+    @property
+    def sandboxes(self) -> Path:  # per-sandbox: upper layer, overlay mount, OCI bundle, logs
+        return self.root / "sandboxes"
+
+    @property
+    def runsc_root(self) -> Path:  # runsc --root (container state)
+        return self.root / "run" / "runsc"
+
+    @property
+    def state_db(self) -> Path:
+        return self.root / "state.db"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        return self.sandboxes / sandbox_id
+
+
+def load_settings(**overrides: Any) -> Settings:
+    return Settings(**overrides)

@@ -1,0 +1,24 @@
+"""Constants shared by the host side and the in-sandbox daemon (envd).
+
+Kept free of imports so envd (which runs with the tools layer's interpreter) can import it too.
+"""
+
+# The envd protocol version we claim. The E2B SDKs gate features on it; >= 0.6.4 unlocks all.
+ENVD_VERSION = "0.6.13"
+ENVD_PORT = 49983
+JUPYTER_PORT = 49999
+
+# Every sandbox sees the same inner address; the host reaches it through a per-slot address + DNAT.
+# This is what lets a checkpoint be restored into a fresh namespace (fork children) unchanged.
+GUEST_IP = "169.254.0.22"
+GUEST_GATEWAY_IP = "169.254.0.21"
+GUEST_PREFIXLEN = 30
+
+# Where the read-only tools layer (envd + its own interpreter) is mounted inside every sandbox.
+TOOLS_MOUNT = "/.agentenv"
+
+DEFAULT_USER = "user"
+DEFAULT_HOME = "/home/user"
+
+# E2B returns a constant clientID; the SDKs require the field but ignore it.
+CLIENT_ID = "6532622b"

@@ -1,0 +1,125 @@
+"""Host checks for `agentenv doctor`: what is missing, and how to fix it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.config import Settings
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail | info
+    detail: str
+    fix: str | None = None
+
+
+def _run(argv: list[str], timeout: float = 10.0) -> tuple[int, str]:
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        return p.returncode, (p.stdout + p.stderr).strip()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return 127, str(e)
+
+
+def check_python() -> Check:
+    ok = sys.version_info >= (3, 11)
+    return Check("python", "ok" if ok else "fail", sys.version.split()[0], None if ok else "install Python >= 3.11")
+
+
+def check_root() -> Check:
+    root = os.geteuid() == 0
+    return Check("root", "ok" if root else "fail", f"euid={os.geteuid()}",
+                 None if root else "run agentenv as root (netns, mounts, runsc need it)")
+
+
+def check_runsc(settings: Settings) -> Check:
+    path = shutil.which(settings.runsc_path)
+    if not path:
+        return Check("runsc (gVisor)", "fail", "not found", "apt-get install runsc (or install gVisor's release)")
+    rc, out = _run([path, "--version"])
+    version = out.splitlines()[0] if out else "?"
+    m = re.search(r"(\d{8})", version)
+    detail = f"{path}: {version}"
+    if m and m.group(1) < "20230101":
+        return Check("runsc (gVisor)", "ok", detail + " (old release: ptrace platform, netns workaround active)")
+    return Check("runsc (gVisor)", "ok" if rc == 0 else "fail", detail)
+
+
+def check_tool(name: str, pkg: str, why: str) -> Check:
+    path = shutil.which(name)
+    return Check(name, "ok" if path else "fail", path or f"not found ({why})", None if path else f"apt-get install {pkg}")
+
+
+def check_netns() -> Check:
+    if not shutil.which("ip"):
+        return Check("network namespaces", "fail", "`ip` not found", "apt-get install iproute2")
+    name = f"agentenv-doctor-{uuid.uuid4().hex[:6]}"
+    rc, out = _run(["ip", "netns", "add", name])
+    if rc != 0:
+        return Check("network namespaces", "fail", out[:120], "run as root on a kernel with CONFIG_NET_NS")
+    _run(["ip", "netns", "del", name])
+    return Check("network namespaces", "ok", "create/delete works")
+
+
+def check_cgroups() -> Check:
+    root = Path("/sys/fs/cgroup")
+    if (root / "cgroup.controllers").exists():
+        ctrls = (root / "cgroup.controllers").read_text().split()
+        missing = [c for c in ("cpu", "memory", "pids") if c not in ctrls]
+        return Check("cgroups", "warn" if missing else "ok", f"v2: {' '.join(ctrls)}",
+                     f"enable controllers: {', '.join(missing)}" if missing else None)
+    have = [c for c in ("cpu", "memory", "pids") if (root / c).exists()]
+    missing = [c for c in ("cpu", "memory", "pids") if c not in have]
+    return Check("cgroups", "warn" if missing else "ok", f"v1: {' '.join(have)}",
+                 f"mount the {', '.join(missing)} controller(s) for resource limits" if missing else None)
+
+
+def check_overlay() -> Check:
+    fs = Path("/proc/filesystems").read_text()
+    ok = "overlay" in fs
+    return Check("overlayfs", "ok" if ok else "fail", "supported" if ok else "missing",
+                 None if ok else "modprobe overlay (sandbox rootfs = base image + writable layer)")
+
+
+def check_kvm() -> Check:
+    """Which kind of KVM, if any: hardware (vmx/svm), software PVM, or none (microVM runtimes)."""
+    if not Path("/dev/kvm").exists():
+        return Check("KVM", "info", "no /dev/kvm: microVM runtimes unavailable (gVisor works)")
+    cpuinfo = Path("/proc/cpuinfo").read_text()
+    pvm = Path("/sys/module/kvm_pvm").exists()  # built-in modules show here, not in /proc/modules
+    if re.search(r"\b(vmx|svm)\b", cpuinfo):
+        return Check("KVM", "ok", "hardware virtualization (Firecracker/QEMU+KVM can run)")
+    if pvm:
+        return Check("KVM", "info", "software PVM KVM: stock guest kernels cannot boot; QEMU TCG only")
+    return Check("KVM", "warn", "/dev/kvm present but no vmx/svm flag")
+
+
+def check_disk(settings: Settings) -> Check:
+    p = settings.data_dir
+    while not p.exists():
+        p = p.parent
+    st = os.statvfs(p)
+    free_gb = st.f_bavail * st.f_frsize / 1e9
+    status = "ok" if free_gb >= 5 else ("warn" if free_gb >= 1 else "fail")
+    return Check("free disk", status, f"{free_gb:.1f} GB free at {p}",
+                 None if status == "ok" else "free space: the base image needs ~0.5 GB, each sandbox its changes")
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    return [
+        check_python(), check_root(), check_runsc(settings),
+        check_tool("debootstrap", "debootstrap", "builds the base image"),
+        check_tool("nft", "nftables", "sandbox NAT and egress rules"),
+        check_tool("iptables", "iptables", "sandbox NAT"),
+        check_netns(), check_cgroups(), check_overlay(), check_kvm(), check_disk(settings),
+        Check("data dir", "info", str(settings.data_dir)),
+    ]

@@ -1,0 +1,358 @@
+"""Plain-HTTP file transfer: `GET /files` (download) and `POST /files` (multipart or raw upload).
+
+Bodies are streamed in bounded chunks both ways; files are opened with the selected user's credentials
+so permissions are enforced and new files/directories belong to that user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import hashlib
+import hmac
+import mimetypes
+import os
+import re
+import stat
+import time
+from email.message import Message
+from email.utils import formatdate
+
+from aiohttp import hdrs, web
+
+from agentenv.envd.entry import XATTR_PREFIX
+from agentenv.envd.state import UNAUTHORIZED_MESSAGE, EnvdState, basic_auth_user, get_state
+from agentenv.envd.users import UnknownUser, User, lookup_user, resolve_path
+
+CHUNK = 1024 * 1024
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
+
+
+class HTTPFail(Exception):
+    """An error answered as JSON `{code, message}` with the HTTP status as code."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> web.Response:
+        return web.json_response({"code": self.status, "message": self.message}, status=self.status)
+
+
+def _os_fail(exc: OSError, path: str) -> HTTPFail:
+    if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+        return HTTPFail(404, f"path '{path}' does not exist")
+    if exc.errno == errno.EISDIR:
+        return HTTPFail(400, f"path '{path}' is a directory")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return HTTPFail(403, f"permission denied: '{path}'")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return HTTPFail(507, f"not enough disk space to write '{path}'")
+    if exc.errno == errno.ENAMETOOLONG:
+        return HTTPFail(400, f"path '{path}' is too long")
+    return HTTPFail(500, f"{exc.strerror or exc}: '{path}'")
+
+
+def sign(path: str, operation: str, username: str, token: str, expiration: str | None) -> str:
+    raw = f"{path}:{operation}:{username}:{token}"
+    if expiration:
+        raw += f":{expiration}"
+    digest = hashlib.sha256(raw.encode("utf-8")).digest()
+    return "v1_" + base64.b64encode(digest).decode("ascii").rstrip("=")
+
+
+def check_access(request: web.Request, state: EnvdState, operation: str) -> None:
+    """Header token, or a valid (unexpired) v1 signature over path/operation/username."""
+    token = state.access_token
+    if not token:
+        return
+    header = request.headers.get("X-Access-Token")
+    if header is not None:
+        if state.token_ok(header):
+            return
+        raise HTTPFail(401, UNAUTHORIZED_MESSAGE)
+    signature = request.query.get("signature")
+    if not signature:
+        raise HTTPFail(401, UNAUTHORIZED_MESSAGE)
+    expiration = request.query.get("signature_expiration")
+    expected = sign(
+        request.query.get("path", ""), operation, request.query.get("username", ""), token, expiration
+    )
+    if not hmac.compare_digest(signature.encode(), expected.encode()):
+        raise HTTPFail(401, "invalid signature")
+    if expiration:
+        try:
+            expired = int(expiration) < time.time()
+        except ValueError:
+            raise HTTPFail(401, "invalid signature expiration") from None
+        if expired:
+            raise HTTPFail(401, "signature is already expired")
+
+
+def files_user(request: web.Request, state: EnvdState) -> User:
+    name = request.query.get("username") or basic_auth_user(request) or state.default_user
+    try:
+        return lookup_user(name)
+    except UnknownUser:
+        raise HTTPFail(401, f"invalid username: '{name}'") from None
+
+
+# ---- blocking helpers (run on the user's credentials) ----------------------------------------------
+
+
+def _open_read(path: str) -> tuple[int, os.stat_result]:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        raise IsADirectoryError(errno.EISDIR, "is a directory")
+    return fd, st
+
+
+def _open_write(path: str) -> int:
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "is a directory")
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+
+
+def _set_metadata(path: str, metadata: dict[str, str]) -> None:
+    try:
+        for name in os.listxattr(path):
+            if name.startswith(XATTR_PREFIX):
+                os.removexattr(path, name)
+    except OSError as exc:
+        if exc.errno != errno.ENOTSUP or metadata:
+            raise
+    for key, value in metadata.items():
+        os.setxattr(path, XATTR_PREFIX + key, value.encode())
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# ---- GET /files --------------------------------------------------------------------------------------
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """Single byte range -> (start, end inclusive); None = serve everything; HTTPFail 416 if unsatisfiable."""
+    m = _RANGE_RE.match(header.strip())
+    if not m:
+        return None  # multi-range or malformed: ignore, like many servers
+    first, last = m.groups()
+    if first == "" and last == "":
+        return None
+    if first == "":
+        n = int(last)
+        if n == 0:
+            raise HTTPFail(416, "unsatisfiable range")
+        return max(0, size - n), size - 1
+    start = int(first)
+    end = min(int(last), size - 1) if last else size - 1
+    if start >= size or end < start:
+        raise HTTPFail(416, "unsatisfiable range")
+    return start, end
+
+
+def _accepts_gzip(header: str) -> bool:
+    for item in header.split(","):
+        coding, _, params = item.strip().partition(";")
+        if coding.strip().lower() in ("gzip", "*"):
+            q = params.strip()
+            return not (q.startswith("q=") and float(q[2:] or 0) == 0)
+    return False
+
+
+async def get_files(request: web.Request) -> web.StreamResponse:
+    state = get_state(request)
+    try:
+        check_access(request, state, "read")
+        user = files_user(request, state)
+        raw_path = request.query.get("path")
+        if not raw_path:
+            raise HTTPFail(400, "path is required")
+        path = resolve_path(raw_path, user)
+        try:
+            fd, st = await state.executor.run(user, _open_read, path)
+        except OSError as exc:
+            raise _os_fail(exc, path) from None
+    except HTTPFail as fail:
+        return fail.response()
+    loop = asyncio.get_running_loop()
+    try:
+        size = st.st_size
+        try:
+            byte_range = _parse_range(request.headers.get(hdrs.RANGE, ""), size) if request.headers.get(hdrs.RANGE) else None
+        except HTTPFail as fail:
+            resp = fail.response()
+            resp.headers[hdrs.CONTENT_RANGE] = f"bytes */{size}"
+            return resp
+        ctype = mimetypes.guess_type(path)[0] or "application/octet-stream"
+        resp = web.StreamResponse(
+            status=206 if byte_range else 200,
+            headers={
+                hdrs.CONTENT_TYPE: ctype,
+                hdrs.CONTENT_DISPOSITION: f'inline; filename="{os.path.basename(path)}"',
+                hdrs.VARY: "Accept-Encoding",
+                hdrs.ACCEPT_RANGES: "bytes",
+                hdrs.LAST_MODIFIED: formatdate(st.st_mtime, usegmt=True),
+            },
+        )
+        start, end = byte_range if byte_range else (0, size - 1)
+        if byte_range:
+            resp.headers[hdrs.CONTENT_RANGE] = f"bytes {start}-{end}/{size}"
+            resp.content_length = end - start + 1
+        elif _accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")):
+            resp.enable_compression(web.ContentCoding.gzip)
+        else:
+            resp.content_length = size
+        await resp.prepare(request)
+        offset = start
+        while offset <= end:
+            chunk = await loop.run_in_executor(None, os.pread, fd, min(CHUNK, end - offset + 1), offset)
+            if not chunk:
+                break
+            await resp.write(chunk)
+            offset += len(chunk)
+        await resp.write_eof()
+        return resp
+    finally:
+        os.close(fd)
+
+
+# ---- POST /files -------------------------------------------------------------------------------------
+
+
+def _metadata_headers(request: web.Request) -> dict[str, str]:
+    meta: dict[str, str] = {}
+    for key, value in request.headers.items():
+        if key.lower().startswith("x-metadata-"):
+            name = key[len("x-metadata-"):].lower()
+            if not name or not _PRINTABLE.match(name) or not _PRINTABLE.match(value):
+                raise HTTPFail(400, f"invalid metadata header {key!r}: only printable ASCII is allowed")
+            meta[name] = value
+    return meta
+
+
+class _Budget:
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        self.used += n
+        if self.limit is not None and self.used > self.limit:
+            raise HTTPFail(413, f"upload exceeds the limit of {self.limit} bytes")
+
+
+async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Budget, meta: dict) -> dict:
+    """Stream `chunks` (async iterator of bytes) into `path`; remove the partial file on failure."""
+    loop = asyncio.get_running_loop()
+    try:
+        fd = await state.executor.run(user, _open_write, path)
+    except OSError as exc:
+        raise _os_fail(exc, path) from None
+    ok = False
+    try:
+        async for chunk in chunks:
+            if not chunk:
+                continue
+            budget.take(len(chunk))
+            await loop.run_in_executor(None, _write_all, fd, chunk)
+        ok = True
+    except OSError as exc:
+        raise _os_fail(exc, path) from None
+    finally:
+        os.close(fd)
+        if not ok:
+            await state.executor.run(user, _unlink_quiet, path)
+    try:
+        await state.executor.run(user, _set_metadata, path, meta)
+    except OSError as exc:
+        if exc.errno == errno.ENOTSUP:
+            raise HTTPFail(400, f"file metadata is not supported here (no user xattrs on the filesystem of '{path}')") from None
+        raise _os_fail(exc, path) from None
+    out = {"name": os.path.basename(path), "path": path, "type": "file"}
+    if meta:
+        out["metadata"] = meta
+    return out
+
+
+def _part_filename(part) -> str | None:
+    """The part's filename verbatim. aiohttp's own parser strips leading slashes (it assumes browser
+    uploads), but E2B clients put the absolute destination path there."""
+    header = part.headers.get(hdrs.CONTENT_DISPOSITION)
+    if not header:
+        return None
+    msg = Message()
+    msg[hdrs.CONTENT_DISPOSITION] = header
+    return msg.get_filename()
+
+
+async def _part_chunks(part):
+    while True:
+        chunk = await part.read_chunk(CHUNK)
+        if not chunk:
+            return
+        yield chunk
+
+
+async def post_files(request: web.Request) -> web.StreamResponse:
+    state = get_state(request)
+    try:
+        check_access(request, state, "write")
+        user = files_user(request, state)
+        meta = _metadata_headers(request)
+        budget = _Budget(state.max_upload)
+        if request.content_length is not None and budget.limit is not None and request.content_length > budget.limit:
+            raise HTTPFail(413, f"upload exceeds the limit of {budget.limit} bytes")
+        query_path = request.query.get("path")
+        results: list[dict] = []
+        if request.content_type.startswith("multipart/"):
+            reader = await request.multipart()
+            seen: set[str] = set()
+            while True:
+                part = await reader.next()
+                if part is None:
+                    break
+                if part.name != "file":
+                    await part.release()
+                    continue
+                raw = query_path or _part_filename(part)
+                if not raw:
+                    raise HTTPFail(400, "missing destination path (no 'path' query and no part filename)")
+                path = resolve_path(raw, user)
+                if path in seen:
+                    raise HTTPFail(400, f"path '{path}' is given more than once")
+                seen.add(path)
+                results.append(await _receive(state, user, path, _part_chunks(part), budget, meta))
+            if not results:
+                raise HTTPFail(400, "no file part in the request")
+        else:
+            if not query_path:
+                raise HTTPFail(400, "path is required for a non-multipart upload")
+            path = resolve_path(query_path, user)
+            results.append(await _receive(state, user, path, request.content.iter_chunked(CHUNK), budget, meta))
+    except HTTPFail as fail:
+        return fail.response()
+    return web.json_response(results)
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/files", get_files)
+    app.router.add_post("/files", post_files)

@@ -1,0 +1,138 @@
+"""OS users: resolving the selected user, resolving paths against their home, and acting as them.
+
+File operations must be permission-checked as the selected user and leave files owned by them. envd is
+one multi-threaded root process, so we switch *per-thread* credentials with raw syscalls (the kernel —
+and gVisor — keep credentials per task; glibc's wrappers would broadcast the change to every thread).
+Only the threads of the dedicated `UserExecutor` ever switch, and they switch back after each call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import grp
+import os
+import platform
+import pwd
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+# (setgroups, setresuid, setresgid) syscall numbers.
+_SYSCALLS = {
+    "x86_64": (116, 117, 119),
+    "aarch64": (159, 147, 149),
+}
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    uid: int
+    gid: int
+    home: str
+    groups: tuple[int, ...]
+
+    @property
+    def is_root(self) -> bool:
+        return self.uid == 0
+
+
+class UnknownUser(LookupError):
+    pass
+
+
+def lookup_user(name: str) -> User:
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise UnknownUser(name) from None
+    try:
+        groups = tuple(os.getgrouplist(pw.pw_name, pw.pw_gid))
+    except OSError:
+        groups = (pw.pw_gid,)
+    return User(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir or "/", groups)
+
+
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def resolve_path(path: str, user: User) -> str:
+    """Absolute, normalised path: `~` expands to the user's home, relative paths are relative to it.
+
+    Symlinks are deliberately not resolved (entries report the path the caller asked for).
+    """
+    if path == "~" or path.startswith("~/"):
+        path = user.home + path[1:]
+    if not os.path.isabs(path):
+        path = os.path.join(user.home, path)
+    return os.path.normpath(path)
+
+
+class _Creds:
+    def __init__(self) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        nums = _SYSCALLS.get(platform.machine())
+        if nums is None:
+            raise RuntimeError(f"unsupported architecture {platform.machine()!r}")
+        self._setgroups, self._setresuid, self._setresgid = nums
+        self._root_groups = os.getgroups() or [0]
+
+    def _call(self, *args: int | ctypes.Array) -> None:
+        if self._libc.syscall(*args) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    def become(self, user: User) -> None:
+        arr = (ctypes.c_uint * len(user.groups))(*user.groups)
+        self._call(self._setgroups, len(user.groups), arr)
+        self._call(self._setresgid, -1 & 0xFFFFFFFF, user.gid, -1 & 0xFFFFFFFF)
+        self._call(self._setresuid, -1 & 0xFFFFFFFF, user.uid, -1 & 0xFFFFFFFF)
+
+    def restore(self) -> None:
+        self._call(self._setresuid, -1 & 0xFFFFFFFF, 0, -1 & 0xFFFFFFFF)
+        self._call(self._setresgid, -1 & 0xFFFFFFFF, 0, -1 & 0xFFFFFFFF)
+        arr = (ctypes.c_uint * len(self._root_groups))(*self._root_groups)
+        self._call(self._setgroups, len(self._root_groups), arr)
+
+
+class UserExecutor:
+    """Runs blocking filesystem calls on dedicated threads with the selected user's credentials."""
+
+    def __init__(self, max_workers: int = 4) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="envd-user")
+        self._creds = _Creds() if os.geteuid() == 0 else None
+
+    def _run(self, user: User | None, fn: Callable[..., T], *args: Any) -> T:
+        if user is None or user.is_root or self._creds is None:
+            return fn(*args)
+        self._creds.become(user)
+        try:
+            return fn(*args)
+        finally:
+            try:
+                self._creds.restore()
+            except OSError:
+                # A thread stuck with user credentials must never serve another call.
+                os._exit(70)
+
+    async def run(self, user: User | None, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(self._run, user, fn, *args))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,137 @@
+"""Records the control plane keeps about sandboxes, templates and API keys."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def rfc3339(dt: datetime) -> str:
+    return dt.astimezone(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class SandboxState(str, enum.Enum):
+    """Lifecycle states. Transitions are defined in agentenv.orchestrator.lifecycle only."""
+
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSING = "pausing"
+    PAUSED = "paused"
+    RESUMING = "resuming"
+    SNAPSHOTTING = "snapshotting"
+    FORKING = "forking"
+    KILLING = "killing"
+    KILLED = "killed"
+    FAILED = "failed"
+
+    @property
+    def public(self) -> str:
+        """The state the E2B API shows: only 'running' or 'paused'."""
+        if self in (SandboxState.PAUSED, SandboxState.PAUSING):
+            return "paused"
+        return "running"
+
+
+@dataclass
+class SandboxRecord:
+    sandbox_id: str
+    template_id: str
+    team_id: str
+    state: SandboxState
+    started_at: datetime
+    end_at: datetime
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    envd_access_token: str
+    traffic_access_token: str | None = None
+    alias: str | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = False
+    auto_resume: bool = False
+    allow_internet_access: bool = True
+    network: dict | None = None
+    slot: int | None = None  # network slot index while running
+    runtime: str = "gvisor"
+    node_id: str = "local"
+    parent_id: str | None = None  # fork parent
+    snapshot_id: str | None = None  # snapshot it was created from
+    created_at: datetime = field(default_factory=utcnow)
+    # Filesystem chain: base image name + read-only layers (sha256 digests, top first) + the
+    # sandbox's own writable upper (in its sandbox dir).
+    image: str = "base"
+    layers: list[str] = field(default_factory=list)
+    # While paused with memory: digest of the checkpoint image blob in the local blob cache.
+    memory_digest: str | None = None
+    pause_mode: str | None = None  # "full" | "filesystem"
+
+
+@dataclass
+class SnapshotRecord:
+    """A committed snapshot: filesystem layers (+ memory image unless filesystem-only)."""
+
+    snapshot_id: str
+    team_id: str
+    names: list[str]
+    source_sandbox_id: str | None
+    template_id: str
+    image: str
+    layers: list[str]
+    memory_digest: str | None
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    env_vars: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    size_bytes: int = 0
+    created_at: datetime = field(default_factory=utcnow)
+
+    def to_manifest(self) -> dict:
+        return {
+            "snapshotID": self.snapshot_id, "teamID": self.team_id, "names": self.names,
+            "sourceSandboxID": self.source_sandbox_id, "templateID": self.template_id, "image": self.image,
+            "layers": self.layers, "memory": self.memory_digest, "cpuCount": self.cpu_count,
+            "memoryMB": self.memory_mb, "diskSizeMB": self.disk_mb, "envVars": self.env_vars,
+            "metadata": self.metadata, "sizeBytes": self.size_bytes, "createdAt": rfc3339(self.created_at),
+            "format": 1,
+        }
+
+    @classmethod
+    def from_manifest(cls, m: dict) -> "SnapshotRecord":
+        return cls(
+            snapshot_id=m["snapshotID"], team_id=m.get("teamID", "default"), names=list(m.get("names", [])),
+            source_sandbox_id=m.get("sourceSandboxID"), template_id=m.get("templateID", "base"),
+            image=m.get("image", "base"), layers=list(m.get("layers", [])), memory_digest=m.get("memory"),
+            cpu_count=int(m.get("cpuCount", 2)), memory_mb=int(m.get("memoryMB", 1024)),
+            disk_mb=int(m.get("diskSizeMB", 4096)), env_vars=dict(m.get("envVars", {})),
+            metadata=dict(m.get("metadata", {})), size_bytes=int(m.get("sizeBytes", 0)),
+            created_at=datetime.fromisoformat(m["createdAt"].replace("Z", "+00:00")) if m.get("createdAt")
+            else utcnow())
+
+
+@dataclass
+class TemplateRecord:
+    template_id: str
+    aliases: list[str]
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    image: str  # name of the image in the image store, e.g. "base"
+    public: bool = True
+    created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class ApiKeyRecord:
+    key_id: str
+    key_hash: str  # sha256 hex of the full key; the key itself is never stored
+    team_id: str
+    name: str
+    created_at: datetime = field(default_factory=utcnow)
+    revoked: bool = False

@@ -1,0 +1,1 @@
+"""Per-sandbox network namespaces ("slots") with identical in-sandbox addressing."""

@@ -1,0 +1,398 @@
+"""Per-sandbox network slots (netns + two veth pairs + nftables NAT).
+
+CONTRACT:
+
+class NetworkManager:
+    def __init__(self, settings: Settings) -> None
+    async def setup_host(self) -> None         # ip_forward, root-ns NAT chain (idempotent)
+    async def allocate(self, sandbox_id: str, allow_internet: bool = True) -> NetSlot
+        # creates netns + veths + DNAT; only the guest interface is UP (gVisor takes over UP interfaces)
+    async def activate(self, slot: NetSlot) -> None   # bring gateway/host-facing links up after runtime start
+    async def release(self, slot: NetSlot) -> None    # delete netns, veths, rules; idempotent
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]   # by sandbox id; returns removed
+    def slot_for(self, sandbox_id: str) -> NetSlot | None
+Extra: teardown_host(), discover(), set_internet(), deactivate().
+
+Why nftables (not iptables): one `nft -f -` call installs a netns' whole ruleset atomically (one
+process per slot keeps allocation fast), and root-ns state lives in a single table `ip agentenv`
+that can be recreated idempotently and deleted in one command without touching anybody else's rules.
+Per-slot internet access is membership of the slot's root-ns link name in the set `internet`.
+
+Slot state needs no database: the slot index is the root-ns link name (aeh<index>) and the owning
+sandbox id is that link's ifalias, so a restarted server rediscovers every slot from the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import logging
+import os
+import time
+from pathlib import Path
+
+from pyroute2 import AsyncIPRoute, IPRoute, netns as pr_netns
+from pyroute2.netlink.exceptions import NetlinkError
+
+from agentenv import constants
+from agentenv.config import Settings
+from agentenv.errors import RuntimeFailure, Unavailable
+from agentenv.network.slots import (
+    GATEWAY_LINK,
+    GUEST_LINK,
+    HOST_LINK_PREFIX,
+    NETNS_PREFIX,
+    NETNS_RUN_DIR,
+    NS_HOST_LINK,
+    NetSlot,
+    host_link_name,
+    netns_name,
+    parse_host_link,
+    slot_addresses,
+    slot_capacity,
+)
+from agentenv.runtimes._proc import run_cmd
+
+log = logging.getLogger(__name__)
+
+HOST_TABLE = "agentenv"  # nft table (family ip) in the root netns
+CMD_TIMEOUT = 10.0
+
+
+def _host_ruleset() -> str:
+    """Root-ns rules, independent of settings so several data dirs/subnets can share them.
+
+    `add` is idempotent and keeps the set's elements across server restarts.
+    """
+    t = f"ip {HOST_TABLE}"
+    w = f'"{HOST_LINK_PREFIX}*"'
+    return f"""
+add table {t}
+add set {t} internet {{ type ifname; }}
+add chain {t} forward {{ type filter hook forward priority -1; policy accept; }}
+add chain {t} input {{ type filter hook input priority -1; policy accept; }}
+add chain {t} postrouting {{ type nat hook postrouting priority 100; policy accept; }}
+flush chain {t} forward
+flush chain {t} input
+flush chain {t} postrouting
+add rule {t} forward iifname {w} oifname {w} drop
+add rule {t} forward iifname {w} iifname @internet accept
+add rule {t} forward iifname {w} drop
+add rule {t} forward oifname {w} ct state established,related accept
+add rule {t} forward oifname {w} drop
+add rule {t} input iifname {w} ct state established,related accept
+add rule {t} input iifname {w} drop
+add rule {t} postrouting iifname {w} oifname != {w} masquerade
+"""
+
+
+def _netns_ruleset(host_ip: str) -> str:
+    """Rules inside one slot's netns: DNAT host_ip -> guest, masquerade guest -> host0."""
+    g = constants.GUEST_IP
+    return f"""
+table ip agentenv {{
+  chain raw_pre {{ type filter hook prerouting priority raw; policy accept;
+    iifname "{GUEST_LINK}" drop
+  }}
+  chain to_guest {{ type nat hook prerouting priority dstnat; policy accept;
+    iifname "{NS_HOST_LINK}" ip daddr {host_ip} dnat to {g}
+  }}
+  chain from_guest {{ type nat hook postrouting priority srcnat; policy accept;
+    oifname "{NS_HOST_LINK}" ip saddr {g} masquerade
+  }}
+  chain forward_guest {{ type filter hook forward priority filter; policy drop;
+    iifname "{NS_HOST_LINK}" oifname "{GATEWAY_LINK}" ip daddr {g} accept
+    iifname "{GATEWAY_LINK}" oifname "{NS_HOST_LINK}" ip saddr {g} accept
+  }}
+}}
+"""
+
+
+# Run inside the slot's netns: forwarding on, IPv6 off (nothing of ours speaks it), then nft.
+_NETNS_SETUP_SH = (
+    "echo 1 > /proc/sys/net/ipv4/ip_forward && "
+    "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 && "
+    "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
+    "exec nft -f -"
+)
+
+
+class _LinkTaken(Exception):
+    pass
+
+
+def _ignore(e: NetlinkError, *codes: int) -> bool:
+    return e.code in codes
+
+
+class NetworkManager:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.subnet = settings.slot_subnet
+        self.capacity = slot_capacity(self.subnet)
+        self._slots: dict[str, NetSlot] = {}   # sandbox_id -> slot
+        self._used: set[int] = set()           # indexes reserved (incl. allocations in progress)
+        self._lock = asyncio.Lock()
+        self._discovered = False
+        self._next = 0
+
+    # ---------------------------------------------------------------- host setup
+
+    async def setup_host(self) -> None:
+        """Enable forwarding and install the root-ns table; safe to call on every server start."""
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
+        await run_cmd(["nft", "-f", "-"], input=_host_ruleset().encode(),
+                      timeout=CMD_TIMEOUT, what="nft (host rules)")
+        await self.discover()
+
+    async def teardown_host(self) -> None:
+        """Remove the root-ns table (ip_forward is left as is: other software may rely on it)."""
+        await run_cmd(["nft", "delete", "table", "ip", HOST_TABLE], timeout=CMD_TIMEOUT, check=False)
+
+    async def set_internet(self, slot: NetSlot, allow: bool) -> NetSlot:
+        """Switch forwarding of the slot's traffic out of the host on or off."""
+        verb = "add" if allow else "delete"
+        res = await run_cmd(["nft", verb, "element", "ip", HOST_TABLE, "internet", f'{{ "{slot.veth_host}" }}'],
+                            timeout=CMD_TIMEOUT, check=False)
+        if res.returncode != 0 and allow:
+            raise RuntimeFailure(f"nft: cannot allow internet for {slot.veth_host}: {res.stderr.strip()} "
+                                 "(was setup_host() called?)")
+        new = NetSlot(**{**slot.__dict__, "allow_internet": allow})
+        if self._slots.get(slot.sandbox_id) == slot:
+            self._slots[slot.sandbox_id] = new
+        return new
+
+    # ---------------------------------------------------------------- discovery
+
+    def _scan_links(self, links) -> dict[str, NetSlot]:
+        found: dict[str, NetSlot] = {}
+        for link in links:
+            ifname = link.get("ifname") or link.get_attr("IFLA_IFNAME")
+            index = parse_host_link(ifname or "")
+            if index is None:
+                continue
+            self._used.add(index)
+            sandbox_id = link.get_attr("IFLA_IFALIAS")
+            if not sandbox_id:
+                continue
+            peer_ip, host_ip = slot_addresses(self.subnet, index)
+            name = netns_name(sandbox_id)
+            found[sandbox_id] = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}",
+                                        host_ip=host_ip, veth_host=ifname, sandbox_id=sandbox_id,
+                                        peer_ip=peer_ip)
+        return found
+
+    async def discover(self) -> dict[str, NetSlot]:
+        """Rebuild the slot table from the kernel (after a server restart)."""
+        async with AsyncIPRoute() as ipr:
+            links = [x async for x in await ipr.link("dump")]
+        found = self._scan_links(links)
+        res = await run_cmd(["nft", "list", "set", "ip", HOST_TABLE, "internet"], timeout=CMD_TIMEOUT, check=False)
+        for sid, slot in found.items():
+            allowed = res.returncode == 0 and f'"{slot.veth_host}"' in res.stdout
+            self._slots.setdefault(sid, NetSlot(**{**slot.__dict__, "allow_internet": allowed}))
+        self._discovered = True
+        return dict(self._slots)
+
+    def slot_for(self, sandbox_id: str) -> NetSlot | None:
+        slot = self._slots.get(sandbox_id)
+        if slot is None and not self._discovered:
+            # Sync API inside a possibly running event loop: pyroute2's sync IPRoute needs its own
+            # loop, so scan from a short-lived thread. Only happens before discover() ran.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                links = pool.submit(_dump_links_sync).result(timeout=CMD_TIMEOUT)
+            found = self._scan_links(links)
+            slot = found.get(sandbox_id)
+            if slot is not None:
+                self._slots[sandbox_id] = slot
+        return slot
+
+    # ---------------------------------------------------------------- allocation
+
+    async def allocate(self, sandbox_id: str, allow_internet: bool = True) -> NetSlot:
+        t0 = time.monotonic()
+        async with self._lock:
+            if not self._discovered:
+                await self.discover()
+            if sandbox_id in self._slots:
+                raise RuntimeFailure(f"sandbox {sandbox_id} already has network slot {self._slots[sandbox_id].index}")
+            if os.path.exists(os.path.join(NETNS_RUN_DIR, netns_name(sandbox_id))):
+                raise RuntimeFailure(f"netns {netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
+        for _attempt in range(8):
+            async with self._lock:
+                index = self._pick_index()
+                self._used.add(index)
+            peer_ip, host_ip = slot_addresses(self.subnet, index)
+            name = netns_name(sandbox_id)
+            slot = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=host_ip,
+                           veth_host=host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
+                           allow_internet=allow_internet)
+            try:
+                await self._create(slot)
+                break
+            except _LinkTaken:
+                # aeh<index> belongs to another manager on this host (other server or test run):
+                # keep the index marked used and try the next one.
+                _remove_netns(slot.netns)
+                continue
+            except BaseException:
+                await asyncio.shield(self._teardown(slot))
+                async with self._lock:
+                    self._used.discard(index)
+                raise
+        else:
+            raise Unavailable("could not find a free network slot index (link names taken)")
+        self._slots[sandbox_id] = slot
+        log.debug("allocated slot %d for %s in %.1f ms", index, sandbox_id, (time.monotonic() - t0) * 1e3)
+        return slot
+
+    def _pick_index(self) -> int:
+        for i in range(self.capacity):
+            cand = (self._next + i) % self.capacity
+            if cand not in self._used:
+                self._next = (cand + 1) % self.capacity
+                return cand
+        raise Unavailable(f"no free network slot in {self.subnet}")
+
+    async def _create(self, slot: NetSlot) -> None:
+        # AsyncIPRoute(netns=...) creates the namespace (flags=O_CREAT) and opens a socket inside it.
+        async with AsyncIPRoute(netns=slot.netns) as ns, AsyncIPRoute() as root:
+            await ns.link("add", ifname=GUEST_LINK, kind="veth", peer=GATEWAY_LINK)
+            # The netns now exists: plug the host-facing veth into it.
+            try:
+                await root.link("add", ifname=slot.veth_host, kind="veth",
+                                peer={"ifname": NS_HOST_LINK, "net_ns_fd": slot.netns})
+            except NetlinkError as e:
+                if e.code == errno.EEXIST:
+                    raise _LinkTaken(slot.veth_host) from e
+                raise
+            (idx,) = await root.link_lookup(ifname=slot.veth_host)
+            await root.link("set", index=idx, ifalias=slot.sandbox_id)
+            _disable_ipv6(slot.veth_host)
+            await root.addr("add", index=idx, address=slot.peer_ip, prefixlen=30)
+            await root.link("set", index=idx, state="up")
+
+            eth0 = (await ns.link_lookup(ifname=GUEST_LINK))[0]
+            gw0 = (await ns.link_lookup(ifname=GATEWAY_LINK))[0]
+            host0 = (await ns.link_lookup(ifname=NS_HOST_LINK))[0]
+            p = constants.GUEST_PREFIXLEN
+            await ns.addr("add", index=eth0, address=constants.GUEST_IP, prefixlen=p)
+            await ns.addr("add", index=gw0, address=constants.GUEST_GATEWAY_IP, prefixlen=p)
+            await ns.addr("add", index=host0, address=slot.host_ip, prefixlen=30)
+            # Only eth0 is up: runsc takes over every UP interface and copies its routes to the guest.
+            await ns.link("set", index=eth0, state="up")
+            await ns.route("add", dst="0.0.0.0/0", gateway=constants.GUEST_GATEWAY_IP, oif=eth0)
+        await run_cmd(["nsenter", f"--net={slot.netns_path}", "sh", "-c", _NETNS_SETUP_SH],
+                      input=_netns_ruleset(slot.host_ip).encode(), timeout=CMD_TIMEOUT, what="netns setup")
+        if slot.allow_internet:
+            await self.set_internet(slot, True)
+
+    async def activate(self, slot: NetSlot) -> None:
+        """Bring up the netns-kernel side once the runtime owns eth0 (after run/restore returned)."""
+        async with AsyncIPRoute(netns=slot.netns, flags=0) as ns:
+            for ifname in (GATEWAY_LINK, NS_HOST_LINK):
+                (idx,) = await ns.link_lookup(ifname=ifname)
+                await ns.link("set", index=idx, state="up")
+            host0 = (await ns.link_lookup(ifname=NS_HOST_LINK))[0]
+            # runsc stripped eth0's address (and with it the guest default route); the netns kernel
+            # now routes everything that is not the guest /30 back to the host.
+            await ns.route("replace", dst="0.0.0.0/0", gateway=slot.peer_ip, oif=host0)
+
+    async def deactivate(self, slot: NetSlot) -> None:
+        """Undo activate() so the slot can take another runsc run/restore (e.g. a checkpointed
+        sandbox restored into its own slot): gw0/host0 down, eth0 re-addressed with the guest route."""
+        async with AsyncIPRoute(netns=slot.netns, flags=0) as ns:
+            for ifname in (GATEWAY_LINK, NS_HOST_LINK):
+                (idx,) = await ns.link_lookup(ifname=ifname)
+                await ns.link("set", index=idx, state="down")
+            (eth0,) = await ns.link_lookup(ifname=GUEST_LINK)
+            try:
+                await ns.addr("add", index=eth0, address=constants.GUEST_IP, prefixlen=constants.GUEST_PREFIXLEN)
+            except NetlinkError as e:
+                if e.code != errno.EEXIST:
+                    raise
+            await ns.link("set", index=eth0, state="up")
+            await ns.route("replace", dst="0.0.0.0/0", gateway=constants.GUEST_GATEWAY_IP, oif=eth0)
+
+    # ---------------------------------------------------------------- release
+
+    async def release(self, slot: NetSlot) -> None:
+        await self._teardown(slot)
+        async with self._lock:
+            if self._slots.get(slot.sandbox_id, slot).index == slot.index:
+                self._slots.pop(slot.sandbox_id, None)
+            self._used.discard(slot.index)
+
+    async def _teardown(self, slot: NetSlot) -> None:
+        await _delete_link(slot.veth_host)
+        _remove_netns(slot.netns)
+        await run_cmd(["nft", "delete", "element", "ip", HOST_TABLE, "internet", f'{{ "{slot.veth_host}" }}'],
+                      timeout=CMD_TIMEOUT, check=False)
+
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        """Remove every agentenv netns / aeh* link whose sandbox id is not in `keep`."""
+        removed: set[str] = set()
+        async with AsyncIPRoute() as ipr:
+            links = [x async for x in await ipr.link("dump")]
+        for link in links:
+            ifname = link.get_attr("IFLA_IFNAME") or ""
+            index = parse_host_link(ifname)
+            if index is None:
+                continue
+            sid = link.get_attr("IFLA_IFALIAS") or ""
+            if sid in keep:
+                continue
+            await _delete_link(ifname)
+            await run_cmd(["nft", "delete", "element", "ip", HOST_TABLE, "internet", f'{{ "{ifname}" }}'],
+                          timeout=CMD_TIMEOUT, check=False)
+            async with self._lock:
+                self._used.discard(index)
+                if sid:
+                    self._slots.pop(sid, None)
+            removed.add(sid or ifname)
+        if os.path.isdir(NETNS_RUN_DIR):
+            for name in os.listdir(NETNS_RUN_DIR):
+                if not name.startswith(NETNS_PREFIX):
+                    continue
+                sid = name[len(NETNS_PREFIX):]
+                if sid in keep:
+                    continue
+                _remove_netns(name)
+                self._slots.pop(sid, None)
+                removed.add(sid)
+        return sorted(removed)
+
+
+def _dump_links_sync() -> list:
+    with IPRoute() as ipr:
+        return list(ipr.link("dump"))
+
+
+def _disable_ipv6(ifname: str) -> None:
+    try:
+        Path(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6").write_text("1\n")
+    except OSError:
+        pass  # IPv6 compiled out or disabled globally
+
+
+async def _delete_link(ifname: str) -> None:
+    async with AsyncIPRoute() as ipr:
+        try:
+            idx = await ipr.link_lookup(ifname=ifname)
+            if idx:
+                await ipr.link("del", index=idx[0])
+        except NetlinkError as e:
+            if not _ignore(e, errno.ENODEV):
+                raise
+
+
+def _remove_netns(name: str) -> None:
+    """Unmount + unlink /run/netns/<name>; the namespace dies with its last user."""
+    path = os.path.join(NETNS_RUN_DIR, name)
+    if not os.path.exists(path):
+        return
+    try:
+        pr_netns.remove(name)
+    except FileNotFoundError:
+        pass

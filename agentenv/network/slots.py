@@ -1,0 +1,68 @@
+"""Network slots: one network namespace per sandbox, reachable from the host.
+
+Inside every slot the sandbox sees the same address (constants.GUEST_IP); the host reaches it
+through the slot's own host-side address, DNAT'ed to the guest address inside the namespace.
+That makes a checkpoint restorable into any fresh slot unchanged (fork children).
+
+Topology of slot <i> (addresses from settings.slot_subnet, one /30 per slot):
+
+    root netns                      netns agentenv-<sandbox_id>
+    aeh<i>  (base+4i+1/30) <veth>   host0 (base+4i+2/30 = host_ip, DNAT -> GUEST_IP)
+                                    gw0   (GUEST_GATEWAY_IP/30) <veth> eth0 (GUEST_IP/30, owned by gVisor)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+
+NETNS_PREFIX = "agentenv-"
+HOST_LINK_PREFIX = "aeh"  # root-ns end of the host-facing veth: aeh<index>
+GUEST_LINK = "eth0"       # the interface the sandbox runtime takes over
+GATEWAY_LINK = "gw0"      # netns end of the guest veth, carries GUEST_GATEWAY_IP
+NS_HOST_LINK = "host0"    # netns end of the host-facing veth, carries host_ip
+NETNS_RUN_DIR = "/run/netns"
+
+
+def netns_name(sandbox_id: str) -> str:
+    return f"{NETNS_PREFIX}{sandbox_id}"
+
+
+def host_link_name(index: int) -> str:
+    return f"{HOST_LINK_PREFIX}{index}"
+
+
+def parse_host_link(ifname: str) -> int | None:
+    """Slot index encoded in a root-ns link name, or None if it is not one of ours."""
+    rest = ifname[len(HOST_LINK_PREFIX):] if ifname.startswith(HOST_LINK_PREFIX) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+def slot_addresses(subnet: str, index: int) -> tuple[str, str]:
+    """(root-ns peer address, host_ip) of slot `index`: the 2 usable hosts of its /30."""
+    net = ipaddress.IPv4Network(subnet)
+    capacity = net.num_addresses // 4
+    if not 0 <= index < capacity:
+        raise ValueError(f"slot index {index} outside {subnet} (capacity {capacity})")
+    base = int(net.network_address) + 4 * index
+    return str(ipaddress.IPv4Address(base + 1)), str(ipaddress.IPv4Address(base + 2))
+
+
+def slot_capacity(subnet: str) -> int:
+    return ipaddress.IPv4Network(subnet).num_addresses // 4
+
+
+@dataclass(frozen=True)
+class NetSlot:
+    index: int
+    netns: str       # name under /run/netns
+    netns_path: str  # /run/netns/<name>
+    host_ip: str     # address the host connects to; DNAT'ed to GUEST_IP inside the netns
+    veth_host: str   # host-side interface name
+    sandbox_id: str = ""          # owner (also stored as the root-ns link's ifalias for rediscovery)
+    peer_ip: str = ""             # root-ns address of veth_host: the netns' default gateway
+    allow_internet: bool = True   # forwarded + masqueraded out of the host when True
+
+
+class SlotAllocator:
+    """Placeholder: the real implementation lives in agentenv.network.manager (NetworkManager)."""

@@ -1,0 +1,518 @@
+"""Data-plane reverse proxy: forwards SDK traffic (envd, Jupyter, user ports) into sandboxes.
+
+One listener serves the control API and E2B_SANDBOX_URL; `TrafficProxy.matches` tells sandbox
+traffic apart (routing headers, `<port>-<id>.` Host, or a signed `/files` URL) and `handle`
+forwards it with raw, streaming bodies in both directions.
+
+The listener must be created with ``auto_decompress=False`` (see `LISTENER_OPTIONS`), otherwise
+aiohttp inflates gzip request bodies before we can pass them through untouched.
+
+gVisor cannot checkpoint a sandbox that holds a non-listening TCP socket (including TIME_WAIT
+after a close it initiated), so every upstream connection is closed from the proxy side: idle
+pooled connections expire here before typical server idle timeouts, and
+`close_sandbox_connections` drops everything towards one sandbox right before a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import hashlib
+import hmac
+import logging
+import re
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+from aiohttp import WSMsgType, web
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from agentenv.constants import ENVD_PORT
+
+log = logging.getLogger(__name__)
+
+# Pass to web.AppRunner / web.run_app for the listener that hosts the proxy (raw body passthrough).
+LISTENER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
+
+SANDBOX_ID_HEADER = "E2b-Sandbox-Id"
+SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
+TRAFFIC_TOKEN_HEADER = "E2B-Traffic-Access-Token"
+
+_HOST_LABEL = re.compile(r"^(\d+)-([a-z0-9]+)$")
+_HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection",
+        "TE", "Trailer", "Transfer-Encoding", "Upgrade",
+    )
+)
+# Never forwarded upstream: the API key is not a data-plane credential, and Expect was already
+# answered by our own listener.
+_STRIP_REQUEST = frozenset({"x-api-key", "expect"})
+# Headers aiohttp's client would otherwise invent; we forward exactly what the client sent.
+_NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+_WS_HANDSHAKE = frozenset(
+    {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions", "sec-websocket-protocol"}
+)
+# How often an idle stream checks whether its client went away (aiohttp gives no callback).
+_CLIENT_POLL_S = 0.25
+
+
+@dataclass
+class SandboxRoute:
+    """What the proxy needs to know about one sandbox, as the orchestrator sees it now."""
+
+    sandbox_id: str
+    host_ip: str | None  # None when not running (paused, starting, dead)
+    state: str  # "running" | "paused" | ...
+    envd_access_token: str | None
+    traffic_access_token: str | None
+
+
+class SandboxResolver(Protocol):
+    """Route lookup supplied by the orchestrator (`resolve` may e.g. auto-resume a paused sandbox)."""
+
+    async def resolve(self, sandbox_id: str) -> SandboxRoute | None: ...
+
+    def running_routes(self) -> Iterable[SandboxRoute]: ...
+
+
+@dataclass
+class ProxyStats:
+    """Plain counters, read by the metrics endpoint later."""
+
+    requests: int = 0
+    websockets: int = 0
+    active: int = 0
+    bytes_to_sandbox: int = 0
+    bytes_from_sandbox: int = 0
+    # error kind -> count: not_found, port_closed, timeout, forbidden, unauthorized, bad_request,
+    # upstream_closed, client_disconnect, aborted
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+def file_signature(path: str, operation: str, username: str, token: str, expiration: str | None) -> str:
+    """Signature of a `/files` URL (protocol 4.5.4); used only to find which sandbox a URL is for."""
+    raw = f"{path}:{operation}:{username}:{token}"
+    if expiration:
+        raw += f":{expiration}"
+    digest = hashlib.sha256(raw.encode()).digest()
+    return "v1_" + base64.b64encode(digest).decode().rstrip("=")
+
+
+_WS = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+
+
+@dataclass(eq=False)
+class _Flight:
+    """One request being proxied; lets us cancel it from outside and know why."""
+
+    task: asyncio.Task[Any]
+    sandbox_id: str
+    request: web.BaseRequest
+    reason: str | None = None  # set when *we* cancel the task
+    response: web.StreamResponse | None = None  # once headers went to the client
+
+    def abort(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            self.task.cancel()
+
+
+def _error(status: int, message: str, sandbox_id: str | None = None) -> web.Response:
+    body: dict[str, Any] = {"code": status, "message": message}
+    if sandbox_id is not None:
+        body = {"sandboxId": sandbox_id, "message": message, "code": status}
+    return web.json_response(body, status=status)
+
+
+def _not_found(sandbox_id: str) -> web.Response:
+    return _error(502, "The sandbox was not found", sandbox_id)
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
+    tokens = set(_HOP_BY_HOP)
+    for value in headers.getall("Connection", []):
+        tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return tokens
+
+
+class TrafficProxy:
+    """Reverse proxy for sandbox traffic. Create once per listener; `close()` on shutdown."""
+
+    def __init__(
+        self,
+        resolver: SandboxResolver,
+        *,
+        domain: str | None = None,
+        connect_timeout: float = 5.0,
+        port_override: Callable[[SandboxRoute, int], tuple[str, int]] | None = None,
+        idle_timeout: float = 2.0,
+    ) -> None:
+        """`idle_timeout`: pooled upstream connections are closed by us after 1-2x this long idle,
+        i.e. before common server keep-alive timeouts (5 s) make the sandbox close them first."""
+        self._resolver = resolver
+        self._domain = domain.lower() if domain else None
+        self._connect_timeout = connect_timeout
+        self._port_override = port_override
+        self._idle_timeout = idle_timeout
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._flights: dict[str, set[_Flight]] = {}
+        self._closed = False
+        self._watcher: asyncio.Task[None] | None = None
+        self.stats = ProxyStats()
+
+    # ------------------------------------------------------------------ routing
+
+    def _host_target(self, request: web.BaseRequest) -> tuple[str, int] | None:
+        host = request.headers.get("Host", "").strip().lower()
+        if not host or host.startswith("["):
+            return None
+        if self._domain and host.endswith("." + self._domain):
+            label = host[: -len(self._domain) - 1]
+        else:
+            label = host.split(".", 1)[0].split(":", 1)[0]
+        m = _HOST_LABEL.match(label)
+        if m is None:
+            return None
+        return m.group(2), int(m.group(1))
+
+    def matches(self, request: web.BaseRequest) -> bool:
+        """True for data-plane requests; everything else belongs to the control API."""
+        if request.headers.get(SANDBOX_ID_HEADER):
+            return True
+        if self._host_target(request) is not None:
+            return True
+        return request.path == "/files"
+
+    def _signed_files_target(self, request: web.BaseRequest) -> str | None:
+        """Find the running sandbox whose envd token produced this URL's signature."""
+        q = request.query
+        signature = q.get("signature")
+        if not signature:
+            return None
+        operation = "read" if request.method in ("GET", "HEAD") else "write"
+        path, user, exp = q.get("path", ""), q.get("username", ""), q.get("signature_expiration")
+        for route in self._resolver.running_routes():
+            token = route.envd_access_token
+            if token and hmac.compare_digest(file_signature(path, operation, user, token, exp), signature):
+                return route.sandbox_id
+        return None
+
+    def _target(self, request: web.BaseRequest) -> tuple[str, int] | web.Response:
+        sandbox_id = request.headers.get(SANDBOX_ID_HEADER)
+        if sandbox_id:
+            raw_port = request.headers.get(SANDBOX_PORT_HEADER, "").strip() or str(ENVD_PORT)
+            if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
+                return _error(400, f"Invalid {SANDBOX_PORT_HEADER} header: {raw_port!r}", sandbox_id)
+            return sandbox_id.strip(), int(raw_port)
+        by_host = self._host_target(request)
+        if by_host is not None:
+            return by_host
+        sandbox_id = self._signed_files_target(request)
+        if sandbox_id is None:
+            return _error(401, "The URL is not signed for any running sandbox")
+        return sandbox_id, ENVD_PORT
+
+    # ------------------------------------------------------------------ entry point
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """Forward one request (HTTP or WebSocket) to the sandbox it addresses."""
+        self.stats.requests += 1
+        target = self._target(request)
+        if isinstance(target, web.Response):
+            self.stats.errors["unauthorized" if target.status == 401 else "bad_request"] += 1
+            return target
+        sandbox_id, port = target
+        task = asyncio.current_task()
+        assert task is not None
+        # Registered before resolving, so a concurrent close_sandbox_connections cannot miss it.
+        flight = _Flight(task, sandbox_id, request)
+        self._flights.setdefault(sandbox_id, set()).add(flight)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch_clients())
+        self.stats.active += 1
+        try:
+            return await self._handle_flight(request, flight, port)
+        except asyncio.CancelledError:
+            # Only swallow our own cancellation, and only if nobody else cancelled us as well.
+            if flight.reason is None or task.uncancel() > 0:
+                raise
+            self.stats.errors[flight.reason] += 1
+            if flight.response is None:
+                return _not_found(sandbox_id)
+            # Headers are out: cut the connection so the client sees a truncated stream, not a
+            # cleanly finished one.
+            flight.response.force_close()
+            if request.transport is not None:
+                request.transport.close()
+            return flight.response
+        finally:
+            self.stats.active -= 1
+            flights = self._flights.get(sandbox_id)
+            if flights is not None:
+                flights.discard(flight)
+                if not flights:
+                    del self._flights[sandbox_id]
+
+    async def _handle_flight(self, request: web.Request, flight: _Flight, port: int) -> web.StreamResponse:
+        sandbox_id = flight.sandbox_id
+        if self._closed:
+            return _error(503, "The proxy is shutting down", sandbox_id)
+        route = await self._resolver.resolve(sandbox_id)
+        if route is None or route.state != "running" or not route.host_ip:
+            self.stats.errors["not_found"] += 1
+            return _not_found(sandbox_id)
+        if route.traffic_access_token and port != ENVD_PORT:
+            given = request.headers.get(TRAFFIC_TOKEN_HEADER, "")
+            if not hmac.compare_digest(given.encode(), route.traffic_access_token.encode()):
+                self.stats.errors["forbidden"] += 1
+                return _error(403, f"Missing or invalid {TRAFFIC_TOKEN_HEADER} header", sandbox_id)
+        host, up_port = self._port_override(route, port) if self._port_override else (route.host_ip, port)
+        path, _, query = request.raw_path.partition("?")
+        url = URL.build(scheme="http", host=host, port=up_port, path=path, query_string=query, encoded=True)
+
+        if self._is_websocket(request):
+            return await self._proxy_websocket(request, flight, url)
+        return await self._proxy_http(request, flight, url)
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _session(self, sandbox_id: str) -> aiohttp.ClientSession:
+        """One pool per sandbox, so all of a sandbox's connections can be dropped at once."""
+        session = self._sessions.get(sandbox_id)
+        if session is None or session.closed:
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),  # never share cookies between clients
+                skip_auto_headers=_NO_AUTO_HEADERS,
+                trust_env=False,
+                requote_redirect_url=False,
+            )
+            self._sessions[sandbox_id] = session
+        return session
+
+    def _upstream_headers(self, request: web.BaseRequest, *, websocket: bool = False) -> CIMultiDict[str]:
+        drop = _connection_tokens(request.headers) | _STRIP_REQUEST
+        if websocket:
+            drop |= _WS_HANDSHAKE
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in drop)
+        remote = request.remote or ""
+        prior = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
+        headers.setdefault("X-Forwarded-Proto", request.scheme)
+        if request.host:
+            headers.setdefault("X-Forwarded-Host", request.host)
+        return headers
+
+    async def _request_body(self, request: web.BaseRequest) -> AsyncIterator[bytes]:
+        async for chunk in request.content.iter_any():
+            self.stats.bytes_to_sandbox += len(chunk)
+            yield chunk
+
+    async def _proxy_http(self, request: web.Request, flight: _Flight, url: URL) -> web.StreamResponse:
+        sandbox_id = flight.sandbox_id
+        session = self._session(sandbox_id)
+        try:
+            upstream = await session.request(
+                request.method,
+                url,
+                headers=self._upstream_headers(request),
+                data=self._request_body(request) if request.body_exists else None,
+                allow_redirects=False,
+                compress=None,
+            )
+        except aiohttp.ConnectionTimeoutError:
+            self.stats.errors["timeout"] += 1
+            return _error(504, "The sandbox did not accept the connection in time", sandbox_id)
+        except aiohttp.ClientConnectorError as exc:
+            self.stats.errors["port_closed"] += 1
+            if exc.os_error.errno not in (errno.ECONNREFUSED, None):
+                log.info("connect to sandbox %s at %s failed: %s", sandbox_id, url.origin(), exc)
+            return _error(502, "The sandbox is running but port is not open", sandbox_id)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            return await self._upstream_failed(request, sandbox_id, exc)
+
+        try:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            drop = _connection_tokens(upstream.headers)
+            for key, value in upstream.headers.items():
+                if key.lower() not in drop:
+                    response.headers.add(key, value)
+            await response.prepare(request)
+            flight.response = response
+            try:
+                async for chunk in upstream.content.iter_any():
+                    self.stats.bytes_from_sandbox += len(chunk)
+                    await response.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                # Upstream died mid-body: the client must see a truncated response.
+                self.stats.errors["upstream_closed"] += 1
+                log.info("stream from sandbox %s ended early: %s", sandbox_id, exc)
+                response.force_close()
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            except ConnectionError:
+                self.stats.errors["client_disconnect"] += 1
+                return response
+            await response.write_eof()
+            return response
+        finally:
+            # After a complete body this returns the connection to the pool; otherwise it closes
+            # it from our side (never leaving the close to the sandbox).
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def _upstream_failed(self, request: web.Request, sandbox_id: str, exc: BaseException) -> web.Response:
+        """The connection broke before a response: most likely the sandbox went away meanwhile."""
+        route = await self._resolver.resolve(sandbox_id)
+        if route is None or route.state != "running":
+            self.stats.errors["not_found"] += 1
+            return _not_found(sandbox_id)
+        self.stats.errors["upstream_closed"] += 1
+        log.info("request to sandbox %s failed: %r", sandbox_id, exc)
+        if isinstance(exc, aiohttp.ClientPayloadError):  # our client's upload broke off
+            return _error(400, "The request body ended early", sandbox_id)
+        return _error(502, "The connection to the sandbox closed before a response was received", sandbox_id)
+
+    async def _watch_clients(self) -> None:
+        """Abort a flight promptly when its client hangs up while we wait on the sandbox.
+
+        aiohttp only notices a lost client on the next read/write (unless the whole listener
+        runs with handler_cancellation), so one shared task polls all in-flight requests.
+        """
+        while self._flights:
+            await asyncio.sleep(_CLIENT_POLL_S)
+            for flights in list(self._flights.values()):
+                for flight in list(flights):
+                    transport = flight.request.transport
+                    if transport is None or transport.is_closing():
+                        flight.abort("client_disconnect")
+
+    # ------------------------------------------------------------------ WebSocket
+
+    @staticmethod
+    def _is_websocket(request: web.BaseRequest) -> bool:
+        if request.headers.get("Upgrade", "").lower() != "websocket":
+            return False
+        return "upgrade" in {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
+
+    async def _proxy_websocket(self, request: web.Request, flight: _Flight, url: URL) -> web.StreamResponse:
+        sandbox_id = flight.sandbox_id
+        protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        try:
+            upstream = await self._session(sandbox_id).ws_connect(
+                url,
+                headers=self._upstream_headers(request, websocket=True),
+                protocols=protocols,
+                autoping=False,
+                autoclose=True,
+                max_msg_size=0,
+                compress=0,
+            )
+        except aiohttp.WSServerHandshakeError as exc:
+            self.stats.errors["upstream_closed"] += 1
+            return _error(502, f"The sandbox refused the WebSocket upgrade (HTTP {exc.status})", sandbox_id)
+        except aiohttp.ConnectionTimeoutError:
+            self.stats.errors["timeout"] += 1
+            return _error(504, "The sandbox did not accept the connection in time", sandbox_id)
+        except aiohttp.ClientConnectorError:
+            self.stats.errors["port_closed"] += 1
+            return _error(502, "The sandbox is running but port is not open", sandbox_id)
+        except aiohttp.ClientConnectionError as exc:
+            return await self._upstream_failed(request, sandbox_id, exc)
+
+        self.stats.websockets += 1
+        try:
+            downstream = web.WebSocketResponse(
+                protocols=(upstream.protocol,) if upstream.protocol else (),
+                autoping=False,
+                autoclose=True,
+                max_msg_size=0,
+                compress=False,
+            )
+            await downstream.prepare(request)
+            flight.response = downstream
+            pumps = [
+                asyncio.create_task(self._pump(downstream, upstream, to_sandbox=True)),
+                asyncio.create_task(self._pump(upstream, downstream, to_sandbox=False)),
+            ]
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for p in pumps:
+                    p.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+            await downstream.close()
+            return downstream
+        finally:
+            await upstream.close()
+
+    async def _pump(self, src: _WS, dst: _WS, *, to_sandbox: bool) -> None:
+        """Relay frames one way until a close; control frames are passed through too."""
+        while True:
+            msg = await src.receive()
+            if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
+                size = len(msg.data)
+                if to_sandbox:
+                    self.stats.bytes_to_sandbox += size
+                else:
+                    self.stats.bytes_from_sandbox += size
+                if msg.type == WSMsgType.TEXT:
+                    await dst.send_str(msg.data)
+                else:
+                    await dst.send_bytes(msg.data)
+            elif msg.type == WSMsgType.PING:
+                await dst.ping(msg.data)
+            elif msg.type == WSMsgType.PONG:
+                await dst.pong(msg.data)
+            elif msg.type == WSMsgType.CLOSE:
+                code = msg.data if isinstance(msg.data, int) and _sendable_close_code(msg.data) else 1000
+                await dst.close(code=code, message=(msg.extra or "").encode())
+                return
+            else:  # CLOSING, CLOSED, ERROR
+                return
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def close_sandbox_connections(self, sandbox_id: str) -> None:
+        """Close (from our side) every upstream connection to a sandbox and abort its in-flight
+        requests, so it holds no TCP connection and can be checkpointed right after.
+
+        Call it after the resolver stopped reporting the sandbox as running, otherwise new
+        requests simply open new connections.
+        """
+        flights = list(self._flights.get(sandbox_id, ()))
+        for flight in flights:
+            flight.abort("aborted")
+        session = self._sessions.pop(sandbox_id, None)
+        if session is not None:
+            await session.close()
+        if flights:
+            await asyncio.wait([f.task for f in flights], timeout=5.0)
+        # Transport closes complete on the next loop iterations.
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    async def close(self) -> None:
+        """Abort everything and release all pools (listener shutdown)."""
+        self._closed = True
+        for sandbox_id in list(self._sessions.keys() | self._flights.keys()):
+            await self.close_sandbox_connections(sandbox_id)
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
+
+
+def _sendable_close_code(code: int) -> bool:
+    return (1000 <= code <= 4999) and code not in (1004, 1005, 1006, 1015)

@@ -1,0 +1,270 @@
+"""gVisor (runsc) runtime: one OCI container per sandbox, networked through its slot's netns.
+
+Traps of runsc 0.0~20221219 handled here (see the gVisor reference notes):
+- `--network=sandbox` refuses to start on new kernels because /proc/sys/net/core/rmem_default is
+  visible in every netns; each run/restore/checkpoint therefore runs in a throw-away private mount
+  namespace where a tiny tmpfs, mounted from *inside* the target netns, hides /proc/sys/net/core.
+- run/restore leave children holding the CLI's stdio: output goes to a file, never a pipe.
+- A failed create leaves cgroup directories behind: stop() removes them.
+- Root must be writable in the spec (readonly=true gives EROFS); the host overlayfs rootfs plus
+  `--overlay2=none` keeps checkpoints small and restorable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from agentenv import constants
+from agentenv.config import Settings
+from agentenv.errors import RuntimeFailure
+from agentenv.runtimes._proc import CmdResult, run_cmd
+from agentenv.runtimes.base import SandboxSpec
+
+log = logging.getLogger(__name__)
+
+RUN_TIMEOUT = 60.0
+CHECKPOINT_TIMEOUT = 300.0
+SHORT_TIMEOUT = 20.0
+CGROUP_PARENT = "agentenv"
+CGROUP_FS = Path("/sys/fs/cgroup")
+CPU_PERIOD_US = 100_000
+CONSOLE_LOG = "console.log"  # runsc + sandbox stdout/stderr, in the bundle dir
+
+# Run as `sh -c SCRIPT sh <netns path> <runsc argv...>` inside `unshare -m --propagation private`.
+_NETNS_WRAPPER = (
+    'nsenter --net="$1" mount -t tmpfs -o size=4k agentenv-netcore /proc/sys/net/core || exit 97; '
+    'shift; exec "$@"'
+)
+
+# Docker's default set plus what an E2B-like sandbox expects of root (they are gVisor's
+# capabilities, enforced by its own kernel, not the host's).
+_CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE", "CAP_SYS_PTRACE", "CAP_SYS_NICE",
+    "CAP_SYS_RESOURCE", "CAP_NET_ADMIN",
+]
+_DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def cgroup_path(sandbox_id: str) -> str:
+    return f"/{CGROUP_PARENT}/{sandbox_id}"
+
+
+def build_oci_spec(spec: SandboxSpec) -> dict[str, Any]:
+    """The OCI runtime config for one sandbox."""
+    env = {"PATH": _DEFAULT_PATH.split("=", 1)[1], **spec.env}
+    if not spec.args:
+        raise RuntimeFailure("SandboxSpec.args is empty: nothing to run as the sandbox's first process")
+    mem = spec.memory_mb * 1024 * 1024
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(spec.args),
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": "/",
+            "capabilities": {k: list(_CAPS) for k in ("bounding", "effective", "inheritable", "permitted")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
+        },
+        "root": {"path": str(spec.rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": constants.TOOLS_MOUNT, "type": "bind", "source": str(spec.tools_dir),
+             "options": ["rbind", "ro"]},
+        ],
+        "linux": {
+            "cgroupsPath": cgroup_path(spec.sandbox_id),
+            "resources": {
+                "memory": {"limit": mem, "swap": mem},
+                "cpu": {"quota": spec.cpu_count * CPU_PERIOD_US, "period": CPU_PERIOD_US},
+                "pids": {"limit": spec.pids_limit},
+            },
+            "namespaces": [
+                {"type": "pid"},
+                {"type": "network", "path": spec.slot.netns_path},
+                {"type": "ipc"},
+                {"type": "uts"},
+                {"type": "mount"},
+            ],
+        },
+    }
+
+
+class GVisorRuntime:
+    """Runtime protocol implementation on top of the runsc CLI."""
+
+    name = "gvisor"
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.runsc = settings.runsc_path
+        self.root = settings.paths.runsc_root
+        self.platform = settings.runsc_platform
+        self._overlay_flag: str | None = None
+
+    # ---------------------------------------------------------------- plumbing
+
+    async def _global_flags(self) -> list[str]:
+        if self._overlay_flag is None:
+            # Newer runsc has --overlay2 (we want it off); very old ones only the boolean --overlay.
+            res = await run_cmd([self.runsc, "flags"], timeout=SHORT_TIMEOUT, check=False, what="runsc flags")
+            self._overlay_flag = "--overlay2=none" if "overlay2" in (res.stdout + res.stderr) else "--overlay=false"
+        return [f"--root={self.root}", f"--platform={self.platform}", "--network=sandbox", self._overlay_flag]
+
+    async def _runsc(self, *args: str, timeout: float = SHORT_TIMEOUT, check: bool = True,
+                     netns_path: str | None = None, output_file: Path | None = None) -> CmdResult:
+        self.root.mkdir(parents=True, exist_ok=True)
+        argv = [self.runsc, *(await self._global_flags()), *args]
+        if netns_path is not None:
+            argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", _NETNS_WRAPPER, "sh",
+                    netns_path, *argv]
+        what = f"runsc {args[0]}"
+        t0 = time.monotonic()
+        if output_file is not None:
+            with open(output_file, "ab") as f:
+                f.write(f"--- runsc {' '.join(args)} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
+                f.flush()
+                res = await run_cmd(argv, timeout=timeout, check=False, output_file=f, what=what)
+            if res.returncode != 0 and check:
+                raise RuntimeFailure(f"{what} failed (rc={res.returncode}): {_tail(output_file)}")
+        else:
+            res = await run_cmd(argv, timeout=timeout, check=check, what=what)
+        log.debug("runsc %s took %.3fs", " ".join(args), time.monotonic() - t0)
+        return res
+
+    async def _state(self, sandbox_id: str) -> dict[str, Any] | None:
+        res = await self._runsc("state", sandbox_id, check=False)
+        if res.returncode != 0:
+            return None
+        try:
+            return json.loads(res.stdout)
+        except json.JSONDecodeError:
+            return None
+
+    async def _netns_of(self, sandbox_id: str) -> str:
+        """The netns path from the running container's bundle (works after a server restart)."""
+        st = await self._state(sandbox_id)
+        if st is None:
+            raise RuntimeFailure(f"runsc knows no container {sandbox_id}")
+        cfg = json.loads((Path(st["bundle"]) / "config.json").read_text())
+        for ns in cfg.get("linux", {}).get("namespaces", []):
+            if ns.get("type") == "network" and ns.get("path"):
+                return ns["path"]
+        raise RuntimeFailure(f"container {sandbox_id} has no network namespace path in its spec")
+
+    def _write_bundle(self, spec: SandboxSpec) -> None:
+        spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+        tmp = spec.bundle_dir / "config.json.tmp"
+        tmp.write_text(json.dumps(build_oci_spec(spec), indent=2))
+        tmp.replace(spec.bundle_dir / "config.json")
+
+    # ---------------------------------------------------------------- Runtime protocol
+
+    async def start(self, spec: SandboxSpec) -> None:
+        self._write_bundle(spec)
+        try:
+            await self._runsc("run", "--detach", f"--bundle={spec.bundle_dir}", spec.sandbox_id,
+                              timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
+                              output_file=spec.bundle_dir / CONSOLE_LOG)
+        except BaseException:
+            await asyncio.shield(self.stop(spec.sandbox_id))
+            raise
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        self._write_bundle(spec)
+        try:
+            await self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={spec.bundle_dir}",
+                              spec.sandbox_id, timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
+                              output_file=spec.bundle_dir / CONSOLE_LOG)
+        except BaseException:
+            await asyncio.shield(self.stop(spec.sandbox_id))
+            raise
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
+        """Checkpoint, then delete the (stopped) container so the id can be restored again.
+
+        Fails if the sandbox holds any non-listening TCP endpoint (ESTABLISHED, TIME_WAIT...);
+        a failed checkpoint leaves the sandbox dead, which is why it is stopped in every case.
+        """
+        netns_path = await self._netns_of(sandbox_id)
+        image_dir.mkdir(parents=True, exist_ok=True)
+        st = await self._state(sandbox_id)
+        log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
+        try:
+            await self._runsc("checkpoint", f"--image-path={image_dir}", sandbox_id,
+                              timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path, output_file=log_file)
+        finally:
+            await asyncio.shield(self.stop(sandbox_id))
+
+    async def stop(self, sandbox_id: str) -> None:
+        if await self._state(sandbox_id) is not None:
+            await self._runsc("kill", sandbox_id, "KILL", check=False)
+            res = await self._runsc("delete", "--force", sandbox_id, check=False)
+            if res.returncode != 0 and await self._state(sandbox_id) is not None:
+                raise RuntimeFailure(f"runsc delete {sandbox_id} failed: {res.stderr.strip()[-1000:]}")
+        await self._remove_cgroups(sandbox_id)
+
+    async def _remove_cgroups(self, sandbox_id: str) -> None:
+        dirs = glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
+            glob.glob(str(CGROUP_FS / CGROUP_PARENT / sandbox_id))
+        deadline = time.monotonic() + 5.0
+        for d in dirs:
+            while True:
+                try:
+                    # Children first (runsc may create nested groups); rmdir only works on empty groups.
+                    for sub in sorted((p for p in Path(d).rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                        os.rmdir(sub)
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:  # EBUSY while the last sandbox processes exit
+                    if time.monotonic() > deadline:
+                        raise RuntimeFailure(f"cannot remove cgroup {d}: {e}") from e
+                    await asyncio.sleep(0.05)
+
+    async def is_alive(self, sandbox_id: str) -> bool:
+        st = await self._state(sandbox_id)
+        return st is not None and st.get("status") in ("running", "paused")
+
+    async def pause(self, sandbox_id: str) -> None:
+        await self._runsc("pause", sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> None:
+        await self._runsc("resume", sandbox_id)
+
+    async def list_ids(self) -> list[str]:
+        if not self.root.exists():
+            return []
+        res = await self._runsc("list", "--quiet")
+        return [line.strip() for line in res.stdout.splitlines() if line.strip()]
+
+    async def state(self, sandbox_id: str) -> str | None:
+        """runsc's status string ('running', 'paused', 'stopped', ...) or None if unknown."""
+        st = await self._state(sandbox_id)
+        return st.get("status") if st else None
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-limit:].strip()
+    except OSError:
+        return "(no log)"

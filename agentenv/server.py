@@ -1,0 +1,138 @@
+"""The single-node server: wires the seams together and serves one HTTP listener.
+
+One listener carries both planes, as the E2B SDKs expect when E2B_API_URL and E2B_SANDBOX_URL
+point at the same address: requests addressed to a sandbox (E2b-Sandbox-Id header, a
+`<port>-<id>.<domain>` host, or a signed /files URL) go to the traffic proxy; everything else is the
+control API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from agentenv.config import Settings
+
+log = logging.getLogger("agentenv.server")
+
+
+def build_runtime(settings: Settings):
+    """The runtime seam's registry: one name, one implementation."""
+    if settings.runtime == "gvisor":
+        from agentenv.runtimes.gvisor import GVisorRuntime
+
+        return GVisorRuntime(settings)
+    raise SystemExit(f"unknown runtime {settings.runtime!r} (available: gvisor)")
+
+
+@dataclass
+class Components:
+    settings: Settings
+    store: object
+    auth: object
+    images: object
+    orchestrator: object
+    proxy: object
+
+
+async def build(settings: Settings) -> Components:
+    from agentenv.api.auth import ApiKeyAuth
+    from agentenv.network.manager import NetworkManager
+    from agentenv.orchestrator.service import Orchestrator
+    from agentenv.proxy.traffic import TrafficProxy
+    from agentenv.state.sqlite import SQLiteStateStore
+    from agentenv.storage.images import ImageStore
+    from agentenv.storage.rootfs import RootfsManager
+
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    store = SQLiteStateStore(settings.paths.state_db)
+    await store.open()
+    auth = ApiKeyAuth(store)
+    images = ImageStore(settings)
+    orch = Orchestrator(settings, store, images, RootfsManager(settings.paths), NetworkManager(settings),
+                        build_runtime(settings))
+    proxy = TrafficProxy(orch, domain=settings.domain)
+    orch.on_before_stop.append(proxy.close_sandbox_connections)
+    return Components(settings, store, auth, images, orch, proxy)
+
+
+def make_app(c: Components) -> web.Application:
+    from agentenv.api.app import setup_api
+
+    @web.middleware
+    async def sandbox_traffic(request: web.Request, handler):
+        if c.proxy.matches(request):
+            return await c.proxy.handle(request)
+        return await handler(request)
+
+    # client_max_size bounds JSON bodies of the control API; proxied bodies are streamed.
+    app = web.Application(middlewares=[sandbox_traffic], client_max_size=16 * 1024 * 1024)
+    setup_api(app, c.orchestrator, c.auth, c.settings)
+    return app
+
+
+def _print_banner(settings: Settings, api_key: str | None) -> None:
+    url = settings.api_url()
+    lines = ["", "agentenv is serving. Point the E2B SDKs at it:", "",
+             f"E2B_API_URL={url}", f"E2B_SANDBOX_URL={url}"]
+    if api_key:
+        lines.append(f"E2B_API_KEY={api_key}")
+    else:
+        lines.append("E2B_API_KEY=<create one with: agentenv keys create>")
+    lines.append("")
+    print("\n".join(lines), flush=True)
+
+
+async def serve(settings: Settings, *, progress=None) -> None:
+    c = await build(settings)
+    # Images first: the first create must not pay for a debootstrap.
+    await c.images.ensure_base(progress)
+    await c.images.ensure_tools(progress)
+    api_key = settings.bootstrap_api_key
+    if api_key:
+        await c.auth.ensure_key(api_key, "bootstrap")
+    else:
+        keys = await c.auth.list_keys()
+        if not keys:
+            api_key, _ = await c.auth.create_key("default")
+            key_file = settings.data_dir / "api-key"
+            key_file.write_text(api_key + "\n")
+            os.chmod(key_file, 0o600)
+        else:
+            key_file = settings.data_dir / "api-key"
+            api_key = key_file.read_text().strip() if key_file.exists() else None
+    await c.orchestrator.start()
+
+    app = make_app(c)
+    from agentenv.proxy import LISTENER_OPTIONS
+
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, **LISTENER_OPTIONS)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    await site.start()
+    _print_banner(settings, api_key)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down")
+        await site.stop()
+        await c.orchestrator.stop()
+        await c.proxy.close()
+        await runner.cleanup()
+        await c.store.close()
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,291 @@
+"""Snapshot stores: where committed snapshots (layers + memory image + manifest) persist.
+
+The seam is `SnapshotStore`, in the style of httpx transports: a small interface with two real
+implementations — a local/POSIX directory (the embedded default; a shared filesystem in a cluster)
+and any S3-compatible object store. Blobs are content-addressed (`<kind>/<sha256>`), so a layer
+shared by many snapshots is stored once. A snapshot becomes visible only when its manifest is
+written, and the manifest is written last: a reader never sees a snapshot whose blobs are missing,
+and a failed upload leaves at most unreferenced blobs (removed by GC), never a half snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+BLOB_KINDS = ("layers", "memory")
+
+
+class SnapshotStore(Protocol):
+    name: str
+
+    async def has_blob(self, kind: str, digest: str) -> bool: ...
+    async def put_blob(self, kind: str, digest: str, src: Path) -> None:
+        """Store `src` under its digest; idempotent; atomic for readers."""
+
+    async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
+        """Download to `dst` (atomically: a partial download never appears at `dst`)."""
+
+    async def delete_blob(self, kind: str, digest: str) -> None: ...
+    async def list_blobs(self, kind: str) -> list[str]: ...
+    async def put_manifest(self, snapshot_id: str, manifest: dict) -> None: ...
+    async def get_manifest(self, snapshot_id: str) -> dict | None: ...
+    async def list_manifests(self) -> list[dict]: ...
+    async def delete_manifest(self, snapshot_id: str) -> None: ...
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in BLOB_KINDS:
+        raise ValueError(f"unknown blob kind {kind!r}")
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"invalid object name {name!r}")
+
+
+class LocalSnapshotStore:
+    """A directory: `<root>/{layers,memory}/<sha256>` and `<root>/manifests/<id>.json`."""
+
+    name = "local"
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def _blob(self, kind: str, digest: str) -> Path:
+        _check_kind(kind)
+        _check_name(digest)
+        return self.root / kind / digest
+
+    async def has_blob(self, kind: str, digest: str) -> bool:
+        return self._blob(kind, digest).exists()
+
+    async def put_blob(self, kind: str, digest: str, src: Path) -> None:
+        dst = self._blob(kind, digest)
+        if dst.exists():
+            return
+        dst.parent.mkdir(parents=True, exist_ok=True)
+
+        def copy() -> None:
+            fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=".tmp-")
+            os.close(fd)
+            try:
+                try:
+                    os.link(src, dst)  # same filesystem: free
+                    os.unlink(tmp)
+                    return
+                except OSError:
+                    pass
+                shutil.copyfile(src, tmp)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, dst)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+
+        await asyncio.to_thread(copy)
+
+    async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
+        src = self._blob(kind, digest)
+        if not src.exists():
+            raise FileNotFoundError(f"{kind}/{digest} not in the snapshot store")
+
+        def copy() -> None:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".part")
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copyfile(src, tmp)
+            os.replace(tmp, dst)
+
+        await asyncio.to_thread(copy)
+
+    async def delete_blob(self, kind: str, digest: str) -> None:
+        try:
+            self._blob(kind, digest).unlink()
+        except FileNotFoundError:
+            pass
+
+    async def list_blobs(self, kind: str) -> list[str]:
+        d = self.root / kind
+        return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.exists() else []
+
+    def _manifest(self, snapshot_id: str) -> Path:
+        _check_name(snapshot_id)
+        return self.root / "manifests" / f"{snapshot_id}.json"
+
+    async def put_manifest(self, snapshot_id: str, manifest: dict) -> None:
+        p = self._manifest(snapshot_id)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(tmp, p)
+
+    async def get_manifest(self, snapshot_id: str) -> dict | None:
+        try:
+            return json.loads(self._manifest(snapshot_id).read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    async def list_manifests(self) -> list[dict]:
+        d = self.root / "manifests"
+        out = []
+        for p in sorted(d.glob("*.json")) if d.exists() else []:
+            try:
+                out.append(json.loads(p.read_text()))
+            except ValueError:
+                continue
+        return out
+
+    async def delete_manifest(self, snapshot_id: str) -> None:
+        try:
+            self._manifest(snapshot_id).unlink()
+        except FileNotFoundError:
+            pass
+
+
+class S3SnapshotStore:
+    """Any S3-compatible object store (AWS S3, MinIO, Ceph RGW, rclone serve s3, ...), via boto3.
+
+    boto3's managed transfers give multipart uploads and retries; calls run in worker threads so
+    the event loop never blocks. Object metadata is not relied upon (some S3 servers drop it):
+    everything a reader needs is in the manifest object, which is uploaded last.
+    """
+
+    name = "s3"
+
+    def __init__(self, *, bucket: str, prefix: str = "agentenv/", endpoint_url: str | None = None,
+                 access_key: str | None = None, secret_key: str | None = None, region: str = "us-east-1") -> None:
+        import boto3
+        from botocore.config import Config
+
+        self.bucket = bucket
+        self.prefix = prefix if (not prefix or prefix.endswith("/")) else prefix + "/"
+        self._s3 = boto3.client(
+            "s3", endpoint_url=endpoint_url, aws_access_key_id=access_key, aws_secret_access_key=secret_key,
+            region_name=region,
+            config=Config(signature_version="s3v4", s3={"addressing_style": "path"},
+                          retries={"max_attempts": 5, "mode": "standard"}))
+
+    def _key(self, kind: str, name: str) -> str:
+        _check_name(name)
+        return f"{self.prefix}{kind}/{name}"
+
+    async def _call(self, fn, *a, **kw):
+        return await asyncio.to_thread(fn, *a, **kw)
+
+    async def ensure_bucket(self) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            await self._call(self._s3.head_bucket, Bucket=self.bucket)
+        except ClientError:
+            await self._call(self._s3.create_bucket, Bucket=self.bucket)
+
+    async def _exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            await self._call(self._s3.head_object, Bucket=self.bucket, Key=key)
+            return True
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    async def has_blob(self, kind: str, digest: str) -> bool:
+        _check_kind(kind)
+        return await self._exists(self._key(kind, digest))
+
+    async def put_blob(self, kind: str, digest: str, src: Path) -> None:
+        _check_kind(kind)
+        key = self._key(kind, digest)
+        if await self._exists(key):
+            return
+        await self._call(self._s3.upload_file, str(src), self.bucket, key)
+
+    async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
+        _check_kind(kind)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(dst.name + ".part")
+        try:
+            await self._call(self._s3.download_file, self.bucket, self._key(kind, digest), str(tmp))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, dst)
+
+    async def delete_blob(self, kind: str, digest: str) -> None:
+        _check_kind(kind)
+        await self._call(self._s3.delete_object, Bucket=self.bucket, Key=self._key(kind, digest))
+
+    async def _list(self, prefix: str) -> list[str]:
+        keys: list[str] = []
+        token = None
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": prefix}
+            if token:
+                kw["ContinuationToken"] = token
+            resp = await self._call(self._s3.list_objects_v2, **kw)
+            keys += [o["Key"] for o in resp.get("Contents", [])]
+            if not resp.get("IsTruncated"):
+                return keys
+            token = resp.get("NextContinuationToken")
+
+    async def list_blobs(self, kind: str) -> list[str]:
+        _check_kind(kind)
+        base = f"{self.prefix}{kind}/"
+        return sorted(k[len(base):] for k in await self._list(base))
+
+    async def put_manifest(self, snapshot_id: str, manifest: dict) -> None:
+        body = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        await self._call(self._s3.put_object, Bucket=self.bucket, Key=self._key("manifests", f"{snapshot_id}.json"),
+                         Body=body, ContentType="application/json")
+
+    async def get_manifest(self, snapshot_id: str) -> dict | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            resp = await self._call(self._s3.get_object, Bucket=self.bucket,
+                                    Key=self._key("manifests", f"{snapshot_id}.json"))
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        data = await asyncio.to_thread(resp["Body"].read)
+        return json.loads(data)
+
+    async def list_manifests(self) -> list[dict]:
+        out = []
+        for key in await self._list(f"{self.prefix}manifests/"):
+            sid = key.rsplit("/", 1)[-1].removesuffix(".json")
+            m = await self.get_manifest(sid)
+            if m is not None:
+                out.append(m)
+        return out
+
+    async def delete_manifest(self, snapshot_id: str) -> None:
+        await self._call(self._s3.delete_object, Bucket=self.bucket,
+                         Key=self._key("manifests", f"{snapshot_id}.json"))
+
+
+def store_from_settings(settings) -> SnapshotStore:
+    """`snapshot_store` = "local" (default: <data_dir>/snapshots or snapshot_dir) or "s3"."""
+    kind = getattr(settings, "snapshot_store", "local")
+    if kind == "s3":
+        if not settings.s3_bucket:
+            raise ValueError("snapshot_store=s3 needs AGENTENV_S3_BUCKET")
+        return S3SnapshotStore(bucket=settings.s3_bucket, prefix=settings.s3_prefix, endpoint_url=settings.s3_endpoint,
+                               access_key=settings.s3_access_key, secret_key=settings.s3_secret_key,
+                               region=settings.s3_region)
+    if kind == "local":
+        return LocalSnapshotStore(Path(settings.snapshot_dir) if settings.snapshot_dir else settings.paths.snapshots)
+    raise ValueError(f"unknown snapshot_store {kind!r} (local, s3)")

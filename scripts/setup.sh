@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# Idempotent host setup for agentenv (run as root on Debian/Ubuntu).
+#
+#   bash scripts/setup.sh          # server dependencies + .venv with agentenv
+#   bash scripts/setup.sh --test   # additionally test extras, Node.js/npm and tests/js (npm ci)
+#
+# Work that is already done is skipped (dpkg checks, a pyproject hash stamp for pip,
+# a package-lock hash stamp for npm), so a second run takes about a second.
+# Environment:
+#   AGENTENV_PYTHON   interpreter to build .venv with (default: python3.11, then python3, ...)
+set -euo pipefail
+
+REPO_ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
+cd "$REPO_ROOT"
+
+WITH_TEST=0
+for arg in "$@"; do
+  case "$arg" in
+    --test) WITH_TEST=1 ;;
+    -h|--help)
+      sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+      exit 0 ;;
+    *) echo "setup.sh: unknown argument: $arg" >&2; exit 2 ;;
+  esac
+done
+
+export DEBIAN_FRONTEND=noninteractive
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
+fi
+
+pkg_installed() {
+  dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q 'ok installed'
+}
+
+APT_UPDATED=0
+apt_install() {
+  # Install the given packages that are not installed yet; no-op when all are present.
+  local missing=() p
+  for p in "$@"; do
+    pkg_installed "$p" || missing+=("$p")
+  done
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  command -v apt-get >/dev/null 2>&1 || die "apt-get not found; install manually: ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ] && [ -z "$SUDO" ]; then
+    die "missing packages (${missing[*]}) and not running as root"
+  fi
+  if [ "$APT_UPDATED" -eq 0 ]; then
+    log "apt-get update"
+    $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q
+    APT_UPDATED=1
+  fi
+  log "apt-get install ${missing[*]}"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold "${missing[@]}"
+}
+
+# --- system packages ---------------------------------------------------------
+SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-certificates)
+# runsc: the Debian/Ubuntu package, unless a runsc binary is already installed
+# (e.g. from gVisor's releases on production hosts).
+if ! command -v runsc >/dev/null 2>&1; then
+  SYSTEM_PKGS+=(runsc)
+fi
+if [ "$WITH_TEST" -eq 1 ] && ! { command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; }; then
+  # Only when Node.js is absent: a nodejs from another source (e.g. nodesource) ships npm itself.
+  SYSTEM_PKGS+=(nodejs npm)
+fi
+apt_install "${SYSTEM_PKGS[@]}"
+command -v runsc >/dev/null 2>&1 || die "runsc (gVisor) is not installed and could not be installed"
+
+# --- Python >= 3.11 ----------------------------------------------------------
+py_ok() {
+  "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' >/dev/null 2>&1
+}
+
+find_python() {
+  local c
+  for c in ${AGENTENV_PYTHON:-} python3.11 python3 python3.13 python3.12; do
+    if command -v "$c" >/dev/null 2>&1 && py_ok "$c"; then
+      command -v "$c"
+      return 0
+    fi
+  done
+  return 1
+}
+
+VENV="$REPO_ROOT/.venv"
+if [ -x "$VENV/bin/python" ] && py_ok "$VENV/bin/python" && "$VENV/bin/python" -m pip --version >/dev/null 2>&1; then
+  log "using existing .venv ($("$VENV/bin/python" --version 2>&1))"
+else
+  PY="$(find_python || true)"
+  if [ -z "$PY" ]; then
+    if ! command -v python3 >/dev/null 2>&1; then
+      apt_install python3
+    fi
+    PY="$(find_python || true)"
+  fi
+  if [ -z "$PY" ]; then
+    found="$(python3 --version 2>&1 || echo none)"
+    die "Python >= 3.11 is required (found: $found). Install python3.11 or set AGENTENV_PYTHON."
+  fi
+  # venv + ensurepip (Debian splits them into python3-venv / python3.X-venv)
+  if ! "$PY" -c 'import venv, ensurepip' >/dev/null 2>&1; then
+    pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+    if apt-cache show "python${pyver}-venv" >/dev/null 2>&1; then
+      apt_install python3-venv "python${pyver}-venv"
+    else
+      apt_install python3-venv
+    fi
+  fi
+  if [ -e "$VENV" ]; then
+    log "removing unusable .venv"
+    rm -rf "$VENV"
+  fi
+  log "creating .venv with $PY ($("$PY" --version 2>&1))"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+
+# --- pip install (skipped when pyproject.toml and the mode are unchanged) -----
+if [ "$WITH_TEST" -eq 1 ]; then TARGET=".[test]"; else TARGET="."; fi
+STAMP="$VENV/.agentenv-setup-stamp"
+PYPROJECT_HASH="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+NEED_PIP=1
+if [ -f "$STAMP" ]; then
+  HAVE="$(cat "$STAMP")"
+  # A test install also satisfies a plain one.
+  if [ "$HAVE" = "$PYPROJECT_HASH $TARGET" ] || [ "$HAVE" = "$PYPROJECT_HASH .[test]" ]; then
+    if "$VENV/bin/python" -c 'import agentenv' >/dev/null 2>&1 && [ -x "$VENV/bin/agentenv" ]; then
+      NEED_PIP=0
+    fi
+  fi
+fi
+if [ "$NEED_PIP" -eq 1 ]; then
+  log "pip install -e '$TARGET'"
+  "$VENV/bin/python" -m pip install -q -e "$TARGET"
+  printf '%s %s\n' "$PYPROJECT_HASH" "$TARGET" > "$STAMP"
+else
+  log "python packages up to date"
+fi
+
+# --- JS SDK for tests/js (npm ci; skipped when package-lock.json is unchanged) -
+if [ "$WITH_TEST" -eq 1 ]; then
+  JS_DIR="$REPO_ROOT/tests/js"
+  if [ -f "$JS_DIR/package-lock.json" ]; then
+    JS_STAMP="$JS_DIR/node_modules/.agentenv-setup-stamp"
+    JS_WANT="$(cat "$JS_DIR/package.json" "$JS_DIR/package-lock.json" | sha256sum | cut -d' ' -f1) $(node --version)"
+    if [ -f "$JS_STAMP" ] && [ "$(cat "$JS_STAMP")" = "$JS_WANT" ]; then
+      log "tests/js node_modules up to date"
+    else
+      log "npm ci in tests/js"
+      (cd "$JS_DIR" && npm ci --no-audit --no-fund --loglevel=error)
+      printf '%s\n' "$JS_WANT" > "$JS_STAMP"
+    fi
+  else
+    die "tests/js/package-lock.json is missing"
+  fi
+fi
+
+log "done"

@@ -1,0 +1,307 @@
+"""Control-API conformance against the REAL server (session fixture `server` in tests/conftest.py).
+
+Every response is validated against agentenv/api/openapi.yaml (status, headers, body) by the
+`SpecClient` of tests/api/conftest.py, which also checks that every error is a JSON {code, message}
+with code == HTTP status. Sandboxes are few (each boots a gVisor sandbox) and killed in teardown.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+import urllib.parse
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from agentenv.constants import CLIENT_ID, ENVD_VERSION
+
+TEMPLATE = "base"
+SANDBOX_TIMEOUT = 180
+RUN = secrets.token_hex(4)  # isolates this module's sandboxes from any others in the session
+OURS = {"suite": "api-conformance", "run": RUN}
+
+
+def metadata_param(md: dict[str, str]) -> str:
+    """The metadata query value as the Python SDK builds it (the HTTP client encodes it once more)."""
+    return urllib.parse.urlencode({urllib.parse.quote(k): urllib.parse.quote(v) for k, v in md.items()})
+
+
+def ts(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+@pytest.fixture(scope="module")
+def api(server, make_spec_client):
+    return make_spec_client(server.api_url, server.api_key)
+
+
+class Calls:
+    """Synchronous shorthands (the server is another process, so blocking calls are fine here)."""
+
+    def __init__(self, client):
+        self.c = client
+
+    def __call__(self, method: str, path: str, **kw):
+        return self.c.request_sync(method, path, **kw)
+
+    def ids(self, **params) -> list[str]:
+        r = self("GET", "/v2/sandboxes", params=params)
+        assert r.status_code == 200, r.text
+        return [s["sandboxID"] for s in r.json()]
+
+    def all_ids(self) -> set[str]:
+        ids: set[str] = set()
+        token = None
+        while True:
+            params = {"nextToken": token} if token else {}
+            r = self("GET", "/v2/sandboxes", params=params)
+            ids |= {s["sandboxID"] for s in r.json()}
+            token = r.headers.get("X-Next-Token")
+            if not token:
+                return ids
+
+
+@pytest.fixture(scope="module")
+def call(api) -> Calls:
+    return Calls(api)
+
+
+@pytest.fixture(scope="module")
+def sandboxes(call):
+    """Two running sandboxes created one after the other (distinct startedAt), killed on teardown."""
+    created: list[dict] = []
+    try:
+        for i in range(2):
+            r = call("POST", "/v2/sandboxes",
+                     json={"templateID": TEMPLATE, "timeout": SANDBOX_TIMEOUT,
+                           "metadata": {**OURS, "idx": str(i), "odd key": "a&b=c"}, "envVars": {}})
+            assert r.status_code == 201, r.text
+            created.append(r.json())
+            time.sleep(0.01)
+        yield created
+    finally:
+        for s in created:
+            call("DELETE", f"/sandboxes/{s['sandboxID']}")  # 204, or 404 if a test killed it
+
+
+# --- meta, auth, routing --------------------------------------------------------------------------
+
+
+def test_health_and_spec_are_public(call):
+    assert call("GET", "/health", key=None).status_code == 200
+    r = call("GET", "/openapi.yaml", key=None)
+    assert r.status_code == 200 and r.text.startswith("openapi:")
+
+
+@pytest.mark.parametrize("key", [None, "e2b_" + "0" * 40, "garbage"])
+def test_wrong_or_missing_key_is_401_and_changes_nothing(call, key):
+    before = call.all_ids()
+    r = call("POST", "/v2/sandboxes", key=key, json={"templateID": TEMPLATE, "timeout": 30})
+    assert r.status_code == 401
+    assert r.json()["message"].startswith("Invalid API key")
+    assert call("GET", "/v2/sandboxes", key=key).status_code == 401
+    assert call("GET", "/sandboxes/whatever", key=key).status_code == 401
+    assert call.all_ids() == before
+
+
+def test_unknown_route_and_method_are_json(call):
+    assert call("GET", "/definitely/not/a/route", validate=False).status_code == 404
+    assert call("PATCH", "/v2/sandboxes", validate=False).status_code == 405
+
+
+def test_templates_list_base(call):
+    r = call("GET", "/templates")
+    assert r.status_code == 200
+    assert any(TEMPLATE == t["templateID"] or TEMPLATE in t["aliases"] for t in r.json())
+
+
+# --- create / get / list ----------------------------------------------------------------------------
+
+
+def test_create_response(sandboxes):
+    for s in sandboxes:
+        assert s["envdVersion"] == ENVD_VERSION
+        assert s["clientID"] == CLIENT_ID
+        assert s["envdAccessToken"]  # v2 creates are always secured
+    assert sandboxes[0]["sandboxID"] != sandboxes[1]["sandboxID"]
+
+
+def test_get_detail(call, sandboxes):
+    s = sandboxes[0]
+    r = call("GET", f"/sandboxes/{s['sandboxID']}")
+    assert r.status_code == 200
+    d = r.json()
+    assert d["sandboxID"] == s["sandboxID"] and d["templateID"] == s["templateID"]
+    assert d["state"] == "running"
+    assert d["metadata"] == {**OURS, "idx": "0", "odd key": "a&b=c"}
+    lifetime = (ts(d["endAt"]) - ts(d["startedAt"])).total_seconds()
+    assert SANDBOX_TIMEOUT - 5 <= lifetime <= SANDBOX_TIMEOUT + 5
+    assert d["cpuCount"] >= 1 and d["memoryMB"] > 0 and d["diskSizeMB"] > 0
+
+
+def test_list_metadata_filter(call, sandboxes):
+    ours = [s["sandboxID"] for s in sandboxes]
+    assert sorted(call.ids(metadata=metadata_param(OURS))) == sorted(ours)
+    assert call.ids(metadata=metadata_param({**OURS, "odd key": "a&b=c", "idx": "1"})) == [ours[1]]
+    assert call.ids(metadata=metadata_param({**OURS, "odd key": "nope"})) == []
+    r = call("GET", "/sandboxes", params={"metadata": metadata_param(OURS)})  # v1: running only
+    assert r.status_code == 200 and sorted(s["sandboxID"] for s in r.json()) == sorted(ours)
+
+
+def test_list_order_state_template_started_after(call, sandboxes):
+    ours = [s["sandboxID"] for s in sandboxes]
+    md = metadata_param(OURS)
+    assert call.ids(metadata=md) == ours[::-1]  # default: newest first
+    assert call.ids(metadata=md, order="asc") == ours
+    assert call.ids(metadata=md, state="running") == ours[::-1]
+    assert call.ids(metadata=md, state="paused") == []
+    assert call.ids(metadata=md, state="running,paused") == ours[::-1]
+    assert call.ids(metadata=md, template=TEMPLATE) == ours[::-1]
+    assert call.ids(metadata=md, template="no-such-template") == []
+    first = call("GET", f"/sandboxes/{ours[0]}").json()
+    started = ts(first["startedAt"]).astimezone(timezone.utc).isoformat()  # '+00:00' as the SDKs send it
+    assert call.ids(metadata=md, startedAfter=started) == [ours[1]]
+
+
+def test_list_paging(call, sandboxes):
+    ours = [s["sandboxID"] for s in sandboxes]
+    seen: list[str] = []
+    token = None
+    for _ in range(3):
+        params = {"metadata": metadata_param(OURS), "limit": "1", "order": "asc"}
+        if token:
+            params["nextToken"] = token
+        r = call("GET", "/v2/sandboxes", params=params)
+        assert r.status_code == 200
+        page = [s["sandboxID"] for s in r.json()]
+        assert len(page) <= 1
+        seen += page
+        token = r.headers.get("X-Next-Token")
+        if not token:
+            break
+    assert seen == ours
+    assert token is None
+
+
+@pytest.mark.parametrize("params", [
+    {"limit": "0"}, {"limit": "101"}, {"limit": "ten"}, {"order": "sideways"}, {"state": "zombie"},
+    {"startedAfter": "not-a-time"}, {"nextToken": "%%%"},
+])
+def test_list_bad_query_is_400(call, params):
+    assert call("GET", "/v2/sandboxes", params=params).status_code == 400
+
+
+# --- bad create input: JSON error, right status, no state change -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "body, statuses",
+    [
+        (b'{"templateID": "no-such-template-%s", "timeout": 30}', {400, 404}),
+        (b'{"templateID": "base", "timeout": -1}', {400}),
+        (b'{"templateID": "base", "timeout": 100000000}', {400}),
+        (b'{"templateID": "base", "timeout": "30"}', {400}),
+        (b'{"templateID": ["base"], "timeout": 30}', {400}),
+        (b'{"templateID": "base", "timeout": 30, "metadata": {"k": 1}}', {400}),
+        (b'{"templateID": "base", "timeout": 30, "envVars": "A=1"}', {400}),
+        (b'{"timeout": 30}', {400}),
+        (b'{"templateID": "base", "timeout": 30', {400}),
+        (b"", {400}),
+    ],
+)
+def test_bad_create_is_rejected_without_state_change(call, body, statuses):
+    if b"%s" in body:
+        body = body.replace(b"%s", RUN.encode())
+    before = call.all_ids()
+    r = call("POST", "/v2/sandboxes", data=body, headers={"Content-Type": "application/json"})
+    assert r.status_code in statuses, r.text
+    assert call.all_ids() == before
+
+
+def test_huge_timeout_message(call):
+    r = call("POST", "/v2/sandboxes", json={"templateID": TEMPLATE, "timeout": 100000000})
+    assert r.status_code == 400
+    assert r.json()["message"].startswith("Timeout cannot be greater than ")
+
+
+# --- per-sandbox operations ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, suffix, body",
+    [
+        ("GET", "", None),
+        ("DELETE", "", None),
+        ("POST", "/timeout", {"timeout": 30}),
+        ("POST", "/refreshes", {"duration": 30}),
+        ("POST", "/connect", {"timeout": 30}),
+        ("POST", "/pause", {}),
+        ("POST", "/resume", {"timeout": 30}),
+    ],
+)
+def test_unknown_sandbox_is_404(call, method, suffix, body):
+    sid = "inosuchsandbox" + RUN
+    r = call(method, f"/sandboxes/{sid}{suffix}", json=body)
+    assert r.status_code == 404
+    assert r.json()["message"] == f"Sandbox \"{sid}\" doesn't exist or you don't have access to it"
+    r = call("POST", f"/v2/sandboxes/{sid}/connect", json={})
+    assert r.status_code == 404
+
+
+def test_set_timeout(call, sandboxes):
+    sid = sandboxes[0]["sandboxID"]
+    r = call("POST", f"/sandboxes/{sid}/timeout", json={"timeout": 240})
+    assert r.status_code == 204
+    end = ts(call("GET", f"/sandboxes/{sid}").json()["endAt"])
+    expected = datetime.now(timezone.utc) + timedelta(seconds=240)
+    assert abs((end - expected).total_seconds()) < 10
+    for bad in ({"timeout": -1}, {"timeout": 100000000}, {"timeout": "60"}, {}):
+        assert call("POST", f"/sandboxes/{sid}/timeout", json=bad).status_code == 400, bad
+    assert ts(call("GET", f"/sandboxes/{sid}").json()["endAt"]) == end  # rejected calls changed nothing
+
+
+def test_refresh_only_extends(call, sandboxes):
+    sid = sandboxes[0]["sandboxID"]
+    before = ts(call("GET", f"/sandboxes/{sid}").json()["endAt"])
+    assert call("POST", f"/sandboxes/{sid}/refreshes", json={"duration": 1}).status_code == 204
+    assert ts(call("GET", f"/sandboxes/{sid}").json()["endAt"]) == before
+    assert call("POST", f"/sandboxes/{sid}/refreshes", json={"duration": 3601}).status_code == 400
+
+
+def test_connect_running_extends_ttl_only(call, sandboxes):
+    sid = sandboxes[1]["sandboxID"]
+    before = ts(call("GET", f"/sandboxes/{sid}").json()["endAt"])
+    r = call("POST", f"/v2/sandboxes/{sid}/connect", json={"timeout": 1})
+    assert r.status_code == 200
+    assert r.json()["sandboxID"] == sid and r.json()["envdAccessToken"] == sandboxes[1]["envdAccessToken"]
+    assert ts(call("GET", f"/sandboxes/{sid}").json()["endAt"]) == before  # never shortened
+    r = call("POST", f"/sandboxes/{sid}/connect", json={"timeout": SANDBOX_TIMEOUT + 60})
+    assert r.status_code == 200
+    assert ts(call("GET", f"/sandboxes/{sid}").json()["endAt"]) > before
+    assert call("POST", f"/sandboxes/{sid}/connect", json={}).status_code == 400  # v1: timeout required
+    assert call("POST", f"/sandboxes/{sid}/resume", json={"timeout": 30}).status_code == 409  # running
+
+
+def test_pause_then_connect_resumes(call, sandboxes):
+    sid = sandboxes[1]["sandboxID"]
+    r = call("POST", f"/sandboxes/{sid}/pause", json={})
+    if r.status_code == 501:
+        pytest.skip(f"server does not support pause yet: {r.json()['message']}")
+    assert r.status_code == 204
+    assert call("POST", f"/sandboxes/{sid}/pause", json={}).status_code == 409
+    assert call("GET", f"/sandboxes/{sid}").json()["state"] == "paused"
+    assert sid in call.ids(metadata=metadata_param(OURS), state="paused")
+    r = call("POST", f"/v2/sandboxes/{sid}/connect", json={"timeout": 60})
+    assert r.status_code == 201
+    assert call("GET", f"/sandboxes/{sid}").json()["state"] == "running"
+
+
+def test_kill(call, sandboxes):
+    sid = sandboxes[1]["sandboxID"]
+    assert call("DELETE", f"/sandboxes/{sid}").status_code == 204
+    assert call("GET", f"/sandboxes/{sid}").status_code == 404
+    assert call("DELETE", f"/sandboxes/{sid}").status_code == 404
+    assert call("POST", f"/sandboxes/{sid}/timeout", json={"timeout": 30}).status_code == 404
+    assert sid not in call.all_ids()
+    assert call.ids(metadata=metadata_param(OURS)) == [sandboxes[0]["sandboxID"]]

@@ -1,0 +1,110 @@
+"""The OpenAPI document is valid, covers every route the E2B SDKs call, and matches the app's routes."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from aiohttp import web
+from openapi_spec_validator import validate
+
+from agentenv.api import create_api_app
+from agentenv.api.app import openapi_text
+from agentenv.config import Settings
+
+EXPECTED = {
+    ("post", "/sandboxes"): {"201"},
+    ("post", "/v2/sandboxes"): {"201"},
+    ("get", "/sandboxes"): {"200"},
+    ("get", "/v2/sandboxes"): {"200"},
+    ("get", "/sandboxes/{sandboxID}"): {"200"},
+    ("delete", "/sandboxes/{sandboxID}"): {"204"},
+    ("post", "/sandboxes/{sandboxID}/timeout"): {"204"},
+    ("post", "/sandboxes/{sandboxID}/refreshes"): {"204"},
+    ("post", "/sandboxes/{sandboxID}/connect"): {"200", "201"},
+    ("post", "/v2/sandboxes/{sandboxID}/connect"): {"200", "201"},
+    ("post", "/sandboxes/{sandboxID}/resume"): {"201"},
+    ("post", "/sandboxes/{sandboxID}/pause"): {"204"},
+    ("get", "/templates"): {"200"},
+    ("get", "/health"): {"200"},
+    ("get", "/openapi.yaml"): {"200"},
+}
+PUBLIC = {("get", "/health"), ("get", "/openapi.yaml")}
+METHODS = {"get", "post", "put", "delete", "patch"}
+
+
+@pytest.fixture(scope="module")
+def doc() -> dict:
+    return yaml.safe_load(openapi_text())
+
+
+def operations(doc: dict):
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            if method in METHODS:
+                yield method, path, op
+
+
+def resolve(doc: dict, obj: dict) -> dict:
+    while "$ref" in obj:
+        node = doc
+        for part in obj["$ref"].removeprefix("#/").split("/"):
+            node = node[part]
+        obj = node
+    return obj
+
+
+def test_document_is_valid_openapi(doc):
+    validate(doc)
+
+
+def test_routes_and_success_statuses(doc):
+    ops = {(m, p): {s for s in op["responses"] if s.startswith("2")} for m, p, op in operations(doc)}
+    assert ops == EXPECTED
+
+
+def test_every_error_response_is_the_error_schema(doc):
+    for method, path, op in operations(doc):
+        responses = op["responses"]
+        assert "default" in responses, (method, path)
+        for status, resp in responses.items():
+            if status.startswith("2"):
+                continue
+            schema = resp and resolve(doc, resolve(doc, resp)["content"]["application/json"]["schema"])
+            assert schema is doc["components"]["schemas"]["Error"], (method, path, status)
+    error = doc["components"]["schemas"]["Error"]
+    assert error["required"] == ["code", "message"] and "error_code" in error["properties"]
+
+
+def test_security_is_api_key_except_public(doc):
+    scheme = doc["components"]["securitySchemes"]["ApiKeyAuth"]
+    assert scheme == {"type": "apiKey", "in": "header", "name": "X-API-KEY"}
+    assert doc["security"] == [{"ApiKeyAuth": []}]
+    for method, path, op in operations(doc):
+        assert (op.get("security") == []) == ((method, path) in PUBLIC), (method, path)
+
+
+def test_list_paging_contract(doc):
+    op = doc["paths"]["/v2/sandboxes"]["get"]
+    params = {resolve(doc, p)["name"]: resolve(doc, p) for p in op["parameters"]}
+    assert set(params) == {"metadata", "state", "order", "startedAfter", "template", "limit", "nextToken"}
+    assert params["limit"]["schema"]["minimum"] == 1 and params["limit"]["schema"]["maximum"] == 100
+    assert params["state"]["explode"] is False
+    assert "X-Next-Token" in op["responses"]["200"]["headers"]
+
+
+def test_wire_field_names(doc):
+    schemas = doc["components"]["schemas"]
+    assert "allow_internet_access" in schemas["NewSandboxV2"]["properties"]
+    assert {"templateID", "sandboxID", "clientID", "envdVersion"} <= set(schemas["Sandbox"]["required"])
+    for name in ("SandboxDetail", "ListedSandbox"):
+        assert {"startedAt", "endAt", "cpuCount", "memoryMB", "diskSizeMB", "state"} <= set(schemas[name]["required"])
+
+
+def test_app_routes_match_the_document(doc, tmp_path):
+    app = create_api_app(orchestrator=None, auth=None, settings=Settings(data_dir=tmp_path))  # type: ignore[arg-type]
+    served = {
+        (r.method.lower(), r.resource.canonical)
+        for r in app.router.routes()
+        if isinstance(r.resource, web.AbstractResource) and r.method not in ("HEAD",)
+    }
+    assert served == set(EXPECTED)

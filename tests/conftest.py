@@ -1,0 +1,254 @@
+"""Shared fixtures: the session-wide agentenv test server.
+
+``server`` starts ``<venv>/bin/agentenv serve`` once per session on a free port with a fresh
+API key and a data dir that keeps built images across runs (``AGENTENV_TEST_DATA_DIR``, default
+``/var/tmp/agentenv-test``).  It exports ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``
+so the unmodified E2B SDKs talk to it, and on teardown stops the server, runs ``agentenv gc``
+and asserts that no container, netns, mount or process of the data dir is left.
+
+Environment knobs:
+  AGENTENV_TEST_DATA_DIR          data dir (default /var/tmp/agentenv-test)
+  AGENTENV_TEST_STARTUP_TIMEOUT   seconds to wait for GET /health (default 240)
+  AGENTENV_TEST_STOP_TIMEOUT      seconds between SIGTERM and SIGKILL (default 60)
+  AGENTENV_TEST_BIN               agentenv executable (default: the one next to this Python)
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import requests
+
+from leftovers import agentenv_netns, assert_no_leftovers, find_leftovers, mounts_under
+
+DEFAULT_DATA_DIR = "/var/tmp/agentenv-test"
+MAX_UPLOAD_BYTES = 200 * 1024 * 1024
+LOG_NAME = "test-server.log"
+
+
+@dataclass
+class Server:
+    api_url: str
+    sandbox_url: str
+    api_key: str
+    data_dir: Path
+    pid: int
+    log_path: Path
+    proc: subprocess.Popen = field(repr=False)
+    max_upload_bytes: int = MAX_UPLOAD_BYTES
+
+    def sdk_env(self) -> dict[str, str]:
+        """Environment for a child process using an E2B SDK against this server."""
+        env = dict(os.environ)
+        env.pop("E2B_DEBUG", None)
+        env.update(E2B_API_URL=self.api_url, E2B_SANDBOX_URL=self.sandbox_url, E2B_API_KEY=self.api_key)
+        return env
+
+    def log_tail(self, lines: int = 80) -> str:
+        return log_tail(self.log_path, lines)
+
+
+def log_tail(path: Path, lines: int = 80) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"<no server log at {path}: {e}>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def agentenv_executable() -> str:
+    override = os.environ.get("AGENTENV_TEST_BIN")
+    if override:
+        return override
+    candidate = Path(sys.prefix) / "bin" / "agentenv"
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which("agentenv")
+    if found:
+        return found
+    pytest.fail("agentenv executable not found (run scripts/setup.sh --test)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_gc(agentenv: str, data_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, AGENTENV_DATA_DIR=str(data_dir))
+    return subprocess.run(
+        [agentenv, "gc"], env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+    )
+
+
+def prepare_data_dir(agentenv: str, data_dir: Path) -> None:
+    """Clean state of earlier runs (also crashed ones) but keep the cached images."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if (data_dir / "state.db").exists() or (data_dir / "sandboxes").exists() or (data_dir / "run").exists():
+        gc = run_gc(agentenv, data_dir)
+        if gc.returncode != 0:
+            pytest.fail(
+                f"`agentenv gc` before the session failed ({gc.returncode}):\n{gc.stdout}\n{gc.stderr}"
+            )
+    for p in data_dir.glob("state.db*"):
+        p.unlink()
+    sandboxes = data_dir / "sandboxes"
+    if sandboxes.exists():
+        # Never recurse through a mount (it could be a shared image) — gc should have removed them.
+        still_mounted = mounts_under(sandboxes)
+        if still_mounted:
+            pytest.fail(f"mounts left under {sandboxes} after `agentenv gc`: {still_mounted}")
+        shutil.rmtree(sandboxes)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:
+    """SIGTERM the server, wait, SIGKILL its process group if needed. Returns problems seen."""
+    problems: list[str] = []
+    pgid = proc.pid  # start_new_session=True: the server leads its own group
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            problems.append(f"server did not exit within {timeout:.0f}s of SIGTERM; killed")
+    else:
+        problems.append(f"server had already exited with code {proc.returncode}")
+    if _group_alive(pgid):
+        if proc.poll() is not None:
+            problems.append("server exited but left processes in its process group; killed")
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.poll() is None:
+            proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return problems
+
+
+@pytest.fixture(scope="session")
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
+    agentenv = agentenv_executable()
+    data_dir = Path(os.environ.get("AGENTENV_TEST_DATA_DIR") or DEFAULT_DATA_DIR).resolve()
+    startup_timeout = float(os.environ.get("AGENTENV_TEST_STARTUP_TIMEOUT", "240"))
+    stop_timeout = float(os.environ.get("AGENTENV_TEST_STOP_TIMEOUT", "60"))
+    prepare_data_dir(agentenv, data_dir)
+
+    # agentenv-* namespaces that exist already cannot be leftovers of this session's server
+    # (only possible on a shared developer machine; CI starts clean).
+    foreign_netns = frozenset(agentenv_netns())
+
+    port = free_port()
+    api_key = "e2b_" + secrets.token_hex(20)
+    url = f"http://127.0.0.1:{port}"
+    log_path = data_dir / LOG_NAME
+    env = dict(os.environ)
+    env.update(
+        AGENTENV_DATA_DIR=str(data_dir),
+        AGENTENV_HOST="127.0.0.1",
+        AGENTENV_PORT=str(port),
+        AGENTENV_BOOTSTRAP_API_KEY=api_key,
+        AGENTENV_MAX_UPLOAD_BYTES=str(MAX_UPLOAD_BYTES),
+    )
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [agentenv, "serve"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    saved_env = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DEBUG")}
+    startup_error = None
+    try:
+        deadline = time.monotonic() + startup_timeout
+        last_error = "no response yet"
+        while True:
+            code = proc.poll()
+            if code is not None:
+                startup_error = f"agentenv serve exited with code {code} during startup"
+                break
+            try:
+                r = requests.get(f"{url}/health", timeout=5)
+                if r.status_code == 200:
+                    break
+                last_error = f"GET /health -> {r.status_code}"
+            except requests.RequestException as e:
+                last_error = f"GET /health: {type(e).__name__}"
+            if time.monotonic() > deadline:
+                startup_error = f"server not healthy after {startup_timeout:.0f}s ({last_error})"
+                break
+            time.sleep(0.25)
+    except BaseException:
+        stop_server(proc, stop_timeout)
+        run_gc(agentenv, data_dir)
+        raise
+    if startup_error is not None:
+        stop_server(proc, stop_timeout)
+        gc = run_gc(agentenv, data_dir)
+        pytest.fail(
+            f"{startup_error}\n--- server log tail ({log_path}) ---\n{log_tail(log_path)}"
+            f"\n--- agentenv gc ({gc.returncode}) ---\n{gc.stdout}{gc.stderr}",
+            pytrace=False,
+        )
+
+    os.environ.pop("E2B_DEBUG", None)
+    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=api_key)
+    srv = Server(
+        api_url=url, sandbox_url=url, api_key=api_key, data_dir=data_dir, pid=proc.pid, log_path=log_path, proc=proc
+    )
+    try:
+        yield srv
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        crashed = proc.poll()
+        problems = stop_server(proc, stop_timeout)
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+
+        def note(msg: str) -> None:
+            if reporter is not None:
+                reporter.write_line(f"[agentenv server] {msg}", yellow=True)
+
+        for p in problems:
+            note(p)
+        # Resources the server did not release on a clean shutdown (gc removes them next).
+        before_gc = find_leftovers(data_dir, ignore_netns=foreign_netns)
+        if before_gc:
+            note(f"left after shutdown, before gc:\n  {before_gc.describe()}")
+        gc = run_gc(agentenv, data_dir)
+        assert gc.returncode == 0, f"`agentenv gc` failed ({gc.returncode}):\n{gc.stdout}\n{gc.stderr}"
+        assert_no_leftovers(data_dir, ignore_netns=foreign_netns)
+        assert crashed is None, (
+            f"the server exited with code {crashed} during the session\n"
+            f"--- server log tail ({log_path}) ---\n{log_tail(log_path)}"
+        )

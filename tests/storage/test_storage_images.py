@@ -1,0 +1,141 @@
+"""Base image: manifest, contents, lookup, progress parsing, build lock and failure cleanup."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agentenv import constants
+from agentenv.config import Settings
+from agentenv.errors import BadRequest, NotFound
+from agentenv.storage._util import mounts_under
+from agentenv.storage.images import BASE_PACKAGES, ImageBuildError, ImageStore, _DebootstrapProgress
+
+from _storage_helpers import run_in_mount_ns
+
+
+def test_manifest_and_listing(store: ImageStore, base_rootfs: Path) -> None:
+    assert base_rootfs == store.image_rootfs("base")
+    m = json.loads((base_rootfs.parent / "manifest.json").read_text())
+    assert m["name"] == "base"
+    assert m["suite"] == store.settings.debian_suite
+    for pkg in ("python3", "sudo", "git", "curl", "ca-certificates", "procps"):
+        assert pkg in m["packages"], pkg
+    assert m["size"] > 50 * 1024 * 1024
+    assert m["build_id"] and m["created"]
+    listed = {i["name"]: i for i in store.list_images()}
+    assert listed["base"]["size"] == m["size"] and listed["base"]["created"] == m["created"]
+    assert "tools" not in listed
+
+
+def test_image_lookup_errors(store: ImageStore) -> None:
+    with pytest.raises(NotFound):
+        store.image_rootfs("never-built")
+    for bad in ("../etc", "a/b", "", "tools"):
+        with pytest.raises(BadRequest):
+            store.image_rootfs(bad)
+
+
+def test_user_and_system_files(base_rootfs: Path) -> None:
+    passwd = {l.split(":")[0]: l.split(":") for l in (base_rootfs / "etc/passwd").read_text().splitlines()}
+    user = passwd[constants.DEFAULT_USER]
+    assert user[2:4] == ["1000", "1000"] and user[5] == constants.DEFAULT_HOME and user[6] == "/bin/bash"
+    home = base_rootfs / constants.DEFAULT_HOME.lstrip("/")
+    assert home.stat().st_uid == 1000
+    assert (base_rootfs / "etc/hostname").read_text().strip()
+    assert "localhost" in (base_rootfs / "etc/hosts").read_text()
+    assert "nameserver" in (base_rootfs / "etc/resolv.conf").read_text()
+    assert not list((base_rootfs / "var/cache/apt/archives").glob("*.deb"))
+
+
+def test_user_has_passwordless_sudo(base_rootfs: Path, tmp_path: Path) -> None:
+    """Run as `user` inside an overlay of the image (the image itself stays untouched)."""
+    for d in ("u", "w", "m"):
+        (tmp_path / d).mkdir()
+    r = run_in_mount_ns(
+        f"mount -t overlay x -o lowerdir={base_rootfs},upperdir={tmp_path}/u,workdir={tmp_path}/w {tmp_path}/m\n"
+        f"env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin chroot {tmp_path}/m "
+        "runuser -u user -- sh -c 'id -un; sudo -n id -u; python3 -c \"print(6*7)\"'"
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["user", "0", "42"]
+
+
+def test_progress_parser_counts(tmp_path: Path) -> None:
+    (tmp_path / "debootstrap").mkdir()
+    (tmp_path / "debootstrap/deburis").write_text("a 1 x\nb 1 y\nc 1 z\nd 1 w\n")
+    calls: list[tuple[str, float | None]] = []
+    p = _DebootstrapProgress(tmp_path, lambda m, f: calls.append((m, f)))
+    lines = ["I: Retrieving InRelease", "I: Resolving dependencies of base packages..."]
+    lines += [f"I: Retrieving {n} 1.0" for n in "abcd"]
+    (tmp_path / "debootstrap/required").write_text("a b\n")
+    (tmp_path / "debootstrap/base").write_text("c d\n")
+    lines += ["I: Extracting a...", "I: Extracting b...", "I: Installing core packages...",
+              "I: Unpacking required packages...", "I: Unpacking a...", "I: Unpacking b...",
+              "I: Configuring required packages...", "I: Configuring a...", "I: Configuring b...",
+              "I: Unpacking the base system...", "I: Unpacking c...", "I: Unpacking d...",
+              "I: Configuring the base system...", "I: Configuring c...", "I: Configuring d...",
+              "I: Base system installed successfully.", "W: ignored", "plain output"]
+    for line in lines:
+        p.feed(line)
+    fracs = [f for _, f in calls if f is not None]
+    assert fracs == sorted(fracs) and 0 <= fracs[0] and fracs[-1] <= 1
+    msgs = [m for m, _ in calls]
+    assert "Retrieving d 1.0 (4/4)" in msgs
+    assert "Unpacking d... (2/2)" in msgs and "Configuring b... (2/2)" in msgs
+    assert "Unpacking required packages..." in msgs  # headers are not counted as packages
+    assert len(calls) == len(lines) - 2  # non-I: lines are ignored
+
+
+async def test_second_process_waits_for_the_lock(tmp_path: Path) -> None:
+    """While another process holds the build lock, ensure_base waits, then uses that build."""
+    images = tmp_path / "images"
+    images.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, os, sys, time\n"
+         f"fd = os.open({str(images / '.base.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True)\n"
+         "sys.stdin.readline()\n"  # the 'build' finishes when the test says so
+         f"os.makedirs({str(images / 'base/rootfs')!r}); "
+         f"open({str(images / 'base/manifest.json')!r}, 'w').write('{{\"name\": \"base\"}}')\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        store = ImageStore(Settings(data_dir=tmp_path))
+        task = asyncio.create_task(store.ensure_base())
+        await asyncio.sleep(1.0)
+        assert not task.done(), "ensure_base did not wait for the lock holder"
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        t0 = time.monotonic()
+        path = await asyncio.wait_for(task, 10)
+        assert path == images / "base/rootfs"
+        assert time.monotonic() - t0 < 5
+        assert not (images / "base.log").exists(), "the waiter built a second copy"
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+
+
+async def test_failed_build_is_removed_and_names_log(tmp_path: Path) -> None:
+    store = ImageStore(Settings(data_dir=tmp_path, debian_mirror="http://127.0.0.1:9/debian"))
+    with pytest.raises(ImageBuildError) as ei:
+        await asyncio.wait_for(store.ensure_base(), 120)
+    log = tmp_path / "images/base.log"
+    assert str(log) in str(ei.value) and log.stat().st_size > 0
+    leftovers = [p.name for p in (tmp_path / "images").iterdir() if p.name not in ("base.log", ".base.lock")]
+    assert leftovers == []
+    assert mounts_under(tmp_path) == []
+
+
+def test_requested_packages_installed(store: ImageStore, base_rootfs: Path) -> None:
+    installed = store.manifest("base")["packages"]
+    assert [p for p in BASE_PACKAGES if p not in installed] == []
