@@ -90,6 +90,8 @@ class SnapshotRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     size_bytes: int = 0
+    # The envd access token the memory image's envd still holds (needed to re-init a restore).
+    restore_token: str | None = None
     created_at: datetime = field(default_factory=utcnow)
 
     def to_manifest(self) -> dict:
@@ -98,7 +100,8 @@ class SnapshotRecord:
             "sourceSandboxID": self.source_sandbox_id, "templateID": self.template_id, "image": self.image,
             "layers": self.layers, "memory": self.memory_digest, "cpuCount": self.cpu_count,
             "memoryMB": self.memory_mb, "diskSizeMB": self.disk_mb, "envVars": self.env_vars,
-            "metadata": self.metadata, "sizeBytes": self.size_bytes, "createdAt": rfc3339(self.created_at),
+            "metadata": self.metadata, "sizeBytes": self.size_bytes, "restoreToken": self.restore_token,
+            "createdAt": rfc3339(self.created_at),
             "format": 1,
         }
 
@@ -111,6 +114,7 @@ class SnapshotRecord:
             cpu_count=int(m.get("cpuCount", 2)), memory_mb=int(m.get("memoryMB", 1024)),
             disk_mb=int(m.get("diskSizeMB", 4096)), env_vars=dict(m.get("envVars", {})),
             metadata=dict(m.get("metadata", {})), size_bytes=int(m.get("sizeBytes", 0)),
+            restore_token=m.get("restoreToken"),
             created_at=datetime.fromisoformat(m["createdAt"].replace("Z", "+00:00")) if m.get("createdAt")
             else utcnow())
 

@@ -47,16 +47,21 @@ async def build(settings: Settings) -> Components:
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.proxy.traffic import TrafficProxy
     from agentenv.state.sqlite import SQLiteStateStore
+    from agentenv.storage.artifacts import ArtifactCache
     from agentenv.storage.images import ImageStore
     from agentenv.storage.rootfs import RootfsManager
+    from agentenv.storage.snapshots import S3SnapshotStore, store_from_settings
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     store = SQLiteStateStore(settings.paths.state_db)
     await store.open()
     auth = ApiKeyAuth(store)
     images = ImageStore(settings)
+    snapshot_store = store_from_settings(settings)
+    if isinstance(snapshot_store, S3SnapshotStore):
+        await snapshot_store.ensure_bucket()
     orch = Orchestrator(settings, store, images, RootfsManager(settings.paths), NetworkManager(settings),
-                        build_runtime(settings))
+                        build_runtime(settings), ArtifactCache(settings.data_dir, snapshot_store))
     proxy = TrafficProxy(orch, domain=settings.domain)
     orch.on_before_stop.append(proxy.close_sandbox_connections)
     return Components(settings, store, auth, images, orch, proxy)
@@ -120,8 +125,17 @@ async def serve(settings: Settings, *, progress=None) -> None:
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    server_pid = os.getpid()
+
+    # Not loop.add_signal_handler: it routes signals through a wakeup fd that forked helpers
+    # (pyroute2's netns workers) inherit, so a SIGTERM sent to such a child would stop the server.
+    def on_signal(signum, _frame) -> None:
+        if os.getpid() == server_pid:
+            log.info("received %s", signal.Signals(signum).name)
+            loop.call_soon_threadsafe(stop.set)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        signal.signal(sig, on_signal)
     try:
         await stop.wait()
     finally:
@@ -136,3 +150,6 @@ async def serve(settings: Settings, *, progress=None) -> None:
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Third-party chatter (netlink message dumps, SQL threads) stays out of our debug logs.
+    for noisy in ("pyroute2", "aiosqlite", "asyncio", "botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ValidationError
 from agentenv.api import schemas
 from agentenv.api.auth import ApiKeyAuth
 from agentenv.config import Settings
-from agentenv.errors import AgentEnvError, BadRequest, Conflict
-from agentenv.models import SandboxRecord, TemplateRecord
+from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
+from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,15 @@ class Orchestrator(Protocol):
     async def refresh(self, sandbox_id: str, duration: int, *, team_id: str) -> None: ...
     async def connect_sandbox(self, sandbox_id: str, timeout: int, *,
                               team_id: str) -> tuple[SandboxRecord, bool]: ...
-    async def pause_sandbox(self, sandbox_id: str, *, team_id: str) -> None: ...
+    async def pause_sandbox(self, sandbox_id: str, *, team_id: str, memory: bool = True) -> None: ...
+    async def fork_sandbox(self, sandbox_id: str, *, team_id: str, count: int | None = None,
+                           timeout: int | None = None) -> list[SandboxRecord | AgentEnvError]: ...
+    async def create_snapshot(self, sandbox_id: str, *, team_id: str, name: str | None = None,
+                              memory: bool = True) -> SnapshotRecord: ...
+    async def list_snapshots(self, *, team_id: str, sandbox_id: str | None = None,
+                             name: str | None = None) -> list[SnapshotRecord]: ...
+    async def get_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> SnapshotRecord: ...
+    async def delete_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> None: ...
     async def list_templates(self) -> list[TemplateRecord]: ...
 
 
@@ -155,9 +163,17 @@ def _parse_time(value: str, name: str) -> datetime:
     return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
 
 
-def encode_page_token(rec: SandboxRecord) -> str:
-    raw = json.dumps([rec.started_at.astimezone(timezone.utc).isoformat(), rec.sandbox_id])
+def _encode_cursor(at: datetime, item_id: str) -> str:
+    raw = json.dumps([at.astimezone(timezone.utc).isoformat(), item_id])
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def encode_page_token(rec: SandboxRecord) -> str:
+    return _encode_cursor(rec.started_at, rec.sandbox_id)
+
+
+def encode_snapshot_page_token(rec: SnapshotRecord) -> str:
+    return _encode_cursor(rec.created_at, rec.snapshot_id)
 
 
 def decode_page_token(token: str) -> tuple[datetime, str]:
@@ -173,6 +189,20 @@ def decode_page_token(token: str) -> tuple[datetime, str]:
 
 def _sort_key(rec: SandboxRecord) -> tuple[datetime, str]:
     return rec.started_at, rec.sandbox_id
+
+
+def _snapshot_sort_key(rec: SnapshotRecord) -> tuple[datetime, str]:
+    return rec.created_at, rec.snapshot_id
+
+
+def _parse_limit(q: Any) -> int:
+    try:
+        limit = int(q.get("limit", PAGE_LIMIT_MAX))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= PAGE_LIMIT_MAX:
+        raise BadRequest(f"Invalid limit {q.get('limit')!r}: expected an integer from 1 to {PAGE_LIMIT_MAX}")
+    return limit
 
 
 # --- handlers -------------------------------------------------------------------------------------
@@ -245,12 +275,7 @@ class _Handlers:
         if order not in ("asc", "desc"):
             raise BadRequest(f"Invalid order {order!r}: expected 'asc' or 'desc'")
         started_after = _parse_time(q["startedAfter"], "startedAfter") if q.get("startedAfter") else None
-        try:
-            limit = int(q.get("limit", PAGE_LIMIT_MAX))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= PAGE_LIMIT_MAX:
-            raise BadRequest(f"Invalid limit {q.get('limit')!r}: expected an integer from 1 to {PAGE_LIMIT_MAX}")
+        limit = _parse_limit(q)
         cursor = decode_page_token(q["nextToken"]) if q.get("nextToken") else None
         if "metadata" in q:
             parse_metadata_filter(q["metadata"])
@@ -316,8 +341,55 @@ class _Handlers:
         return web.json_response(schemas.sandbox_json(rec, self.settings), status=201)
 
     async def pause(self, request: web.Request) -> web.Response:
-        await _body(request, schemas.SandboxPauseRequest, required=False)
-        await self.orch.pause_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM])
+        body = await _body(request, schemas.SandboxPauseRequest, required=False)  # SDK 2.0 sends no body
+        await self.orch.pause_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM], memory=body.memory)
+        return web.Response(status=204)
+
+    async def fork(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.SandboxForkRequest, required=False)
+        timeout = None if body.timeout is None else _check_timeout(body.timeout, self.settings)
+        if body.count is not None and not 1 <= body.count <= self.settings.fork_max_count:
+            raise BadRequest(f"count must be an integer from 1 to {self.settings.fork_max_count} (got {body.count})")
+        results = await self.orch.fork_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM],
+                                               count=body.count, timeout=timeout)
+        return web.json_response([schemas.fork_result_json(item, self.settings) for item in results], status=201)
+
+    async def create_snapshot(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.SandboxSnapshotRequest, required=False)
+        rec = await self.orch.create_snapshot(request.match_info["sandboxID"], team_id=request[_TEAM],
+                                              name=body.name, memory=body.memory)
+        return web.json_response(schemas.snapshot_info_json(rec), status=201)
+
+    async def list_snapshots(self, request: web.Request) -> web.Response:
+        q = request.query
+        limit = _parse_limit(q)
+        cursor = decode_page_token(q["nextToken"]) if q.get("nextToken") else None
+        recs = await self.orch.list_snapshots(team_id=request[_TEAM], sandbox_id=q.get("sandboxID") or None,
+                                              name=q.get("name") or None)
+        recs = sorted(recs, key=_snapshot_sort_key)  # oldest first, ties broken by id
+        if cursor is not None:
+            recs = [r for r in recs if _snapshot_sort_key(r) > cursor]
+        page = recs[:limit]
+        resp = web.json_response([schemas.snapshot_info_json(r) for r in page])
+        if len(recs) > limit:
+            resp.headers["X-Next-Token"] = encode_snapshot_page_token(page[-1])
+        return resp
+
+    async def get_snapshot(self, request: web.Request) -> web.Response:
+        rec = await self.orch.get_snapshot(request.match_info["snapshotID"], team_id=request[_TEAM])
+        return web.json_response(schemas.snapshot_info_json(rec))
+
+    async def delete_snapshot(self, request: web.Request) -> web.Response:
+        await self.orch.delete_snapshot(request.match_info["snapshotID"], team_id=request[_TEAM])
+        return web.Response(status=204)
+
+    async def delete_template(self, request: web.Request) -> web.Response:
+        """What the SDK's `Sandbox.delete_snapshot(id)` calls: snapshots are the only deletable templates."""
+        template_id = request.match_info["templateID"]
+        for t in await self.orch.list_templates():
+            if template_id == t.template_id or template_id in t.aliases:
+                raise Forbidden(f"Template {template_id!r} is built in and cannot be deleted")
+        await self.orch.delete_snapshot(template_id, team_id=request[_TEAM])
         return web.Response(status=204)
 
 
@@ -409,6 +481,14 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("POST", "/v2/sandboxes/{sandboxID}/connect", h.connect_v2)
     add("POST", "/sandboxes/{sandboxID}/resume", h.resume)
     add("POST", "/sandboxes/{sandboxID}/pause", h.pause)
+    add("POST", "/sandboxes/{sandboxID}/fork", h.fork)
+    add("POST", "/sandboxes/{sandboxID}/snapshots", h.create_snapshot)
+    add("GET", "/snapshots", h.list_snapshots)
+    # Path parameters are matched percent-encoded, so IDs/names with an encoded '/' or ':' (the SDK
+    # quotes them with safe="") stay one segment and arrive decoded in match_info.
+    add("GET", "/snapshots/{snapshotID}", h.get_snapshot)
+    add("DELETE", "/snapshots/{snapshotID}", h.delete_snapshot)
+    add("DELETE", "/templates/{templateID}", h.delete_template)
 
     app[API_CONTEXT] = ctx
     app.middlewares.append(_make_middleware(ctx))

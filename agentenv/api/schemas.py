@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.config import Settings
 from agentenv.constants import CLIENT_ID, ENVD_VERSION
-from agentenv.models import SandboxRecord, TemplateRecord, rfc3339
+from agentenv.errors import AgentEnvError
+from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord, rfc3339
 
 
 class _Body(BaseModel):
@@ -95,8 +96,21 @@ class SandboxRefreshRequest(_Body):
 
 
 class SandboxPauseRequest(_Body):
-    memory: bool | None = None
-    require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
+    memory: bool = True  # false: filesystem-only pause (resume cold-boots)
+    require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")  # accepted, ignored
+
+
+class SandboxForkRequest(_Body):
+    timeout: int | None = None  # None: the orchestrator's default; range checked by the handler
+    count: int | None = None  # None: one fork; range (1..settings.fork_max_count) checked by the handler
+
+
+SNAPSHOT_NAME_MAX = 255
+
+
+class SandboxSnapshotRequest(_Body):
+    name: str | None = Field(default=None, min_length=1, max_length=SNAPSHOT_NAME_MAX)
+    memory: bool = True  # false: filesystem-only snapshot
 
 
 # --- responses ------------------------------------------------------------------------------------
@@ -177,3 +191,26 @@ def template_json(rec: TemplateRecord) -> dict[str, Any]:
         "envdVersion": ENVD_VERSION,
         "buildStatus": "ready",
     }
+
+
+def snapshot_info_json(rec: SnapshotRecord) -> dict[str, Any]:
+    """`SnapshotInfo`: the SDK reads `snapshotID` and `names`; the rest is informative."""
+    return {
+        "snapshotID": rec.snapshot_id,
+        "names": list(rec.names),
+        "sourceSandboxID": rec.source_sandbox_id,
+        "templateID": rec.template_id,
+        "memory": rec.memory_digest is not None,
+        "cpuCount": rec.cpu_count,
+        "memoryMB": rec.memory_mb,
+        "diskSizeMB": rec.disk_mb,
+        "sizeBytes": rec.size_bytes,
+        "createdAt": rfc3339(rec.created_at),
+    }
+
+
+def fork_result_json(item: SandboxRecord | AgentEnvError, settings: Settings) -> dict[str, Any]:
+    """`SandboxForkResult`: the created sandbox (as create returns it) or why that one fork failed."""
+    if isinstance(item, AgentEnvError):
+        return {"error": item.to_json()}
+    return {"sandbox": sandbox_json(item, settings)}

@@ -192,11 +192,15 @@ def server_stream(
                     await resp.write(encode_envelope(item))
         except ConnectError as exc:
             err = exc
-        except (ConnectionError, asyncio.CancelledError):
+        except ConnectionError:
             # Client went away: stop producing; never close the connection ourselves.
             if gen is not None:
                 await gen.aclose()  # type: ignore[attr-defined]
             return resp
+        except asyncio.CancelledError:  # server shutdown
+            if gen is not None:
+                await gen.aclose()  # type: ignore[attr-defined]
+            raise
         except Exception as exc:  # noqa: BLE001
             err = _internal(exc)
         await _end_stream(resp, err)

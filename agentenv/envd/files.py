@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import time
+import zlib
 from email.message import Message
 from email.utils import formatdate
 
@@ -26,6 +27,11 @@ from agentenv.envd.state import UNAUTHORIZED_MESSAGE, EnvdState, basic_auth_user
 from agentenv.envd.users import UnknownUser, User, lookup_user, resolve_path
 
 CHUNK = 1024 * 1024
+# gzip is negotiated by default by the SDK's HTTP clients; level 1 keeps it from being the bottleneck,
+# and a sample decides whether compressing is worth it at all (random/compressed data is sent as is).
+GZIP_LEVEL = 1
+GZIP_SAMPLE = 64 * 1024
+GZIP_MIN_SAVING = 0.1
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
 
@@ -122,13 +128,9 @@ def _open_write(path: str) -> int:
 
 
 def _set_metadata(path: str, metadata: dict[str, str]) -> None:
-    try:
-        for name in os.listxattr(path):
-            if name.startswith(XATTR_PREFIX):
-                os.removexattr(path, name)
-    except OSError as exc:
-        if exc.errno != errno.ENOTSUP or metadata:
-            raise
+    for name in os.listxattr(path):
+        if name.startswith(XATTR_PREFIX):
+            os.removexattr(path, name)
     for key, value in metadata.items():
         os.setxattr(path, XATTR_PREFIX + key, value.encode())
 
@@ -167,6 +169,13 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
     if start >= size or end < start:
         raise HTTPFail(416, "unsatisfiable range")
     return start, end
+
+
+def _worth_compressing(fd: int) -> bool:
+    sample = os.pread(fd, GZIP_SAMPLE, 0)
+    if len(sample) < 64:
+        return False
+    return len(zlib.compress(sample, GZIP_LEVEL)) <= len(sample) * (1 - GZIP_MIN_SAVING)
 
 
 def _accepts_gzip(header: str) -> bool:
@@ -214,11 +223,15 @@ async def get_files(request: web.Request) -> web.StreamResponse:
             },
         )
         start, end = byte_range if byte_range else (0, size - 1)
+        compressor = None
         if byte_range:
             resp.headers[hdrs.CONTENT_RANGE] = f"bytes {start}-{end}/{size}"
             resp.content_length = end - start + 1
-        elif _accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")):
-            resp.enable_compression(web.ContentCoding.gzip)
+        elif _accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")) and await loop.run_in_executor(
+            None, _worth_compressing, fd
+        ):
+            compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+            resp.headers[hdrs.CONTENT_ENCODING] = "gzip"
         else:
             resp.content_length = size
         await resp.prepare(request)
@@ -227,8 +240,13 @@ async def get_files(request: web.Request) -> web.StreamResponse:
             chunk = await loop.run_in_executor(None, os.pread, fd, min(CHUNK, end - offset + 1), offset)
             if not chunk:
                 break
-            await resp.write(chunk)
             offset += len(chunk)
+            if compressor is not None:
+                chunk = await loop.run_in_executor(None, compressor.compress, chunk)
+            if chunk:
+                await resp.write(chunk)
+        if compressor is not None:
+            await resp.write(compressor.flush())
         await resp.write_eof()
         return resp
     finally:
@@ -282,7 +300,8 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
         if not ok:
             await state.executor.run(user, _unlink_quiet, path)
     try:
-        await state.executor.run(user, _set_metadata, path, meta)
+        if meta:  # metadata headers replace earlier metadata; without them it is left alone
+            await state.executor.run(user, _set_metadata, path, meta)
     except OSError as exc:
         if exc.errno == errno.ENOTSUP:
             raise HTTPFail(400, f"file metadata is not supported here (no user xattrs on the filesystem of '{path}')") from None

@@ -237,7 +237,10 @@ async def _open_watcher(request: web.Request, msg: dict) -> DirWatcher:
     path = _path_arg(msg, "path", user)
     await _as_user(request, user, path, _check_watchable, path)
     try:
-        return DirWatcher(path, bool(pfield(msg, "recursive")), bool(pfield(msg, "includeEntry")))
+        # Adding watches walks the tree (recursive): keep that off the event loop.
+        return await asyncio.get_running_loop().run_in_executor(
+            None, DirWatcher, path, bool(pfield(msg, "recursive")), bool(pfield(msg, "includeEntry"))
+        )
     except OSError as exc:
         raise os_error(exc, path) from None
 

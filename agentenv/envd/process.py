@@ -15,9 +15,10 @@ import logging
 import os
 import signal
 import struct
+import subprocess
 import termios
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +34,10 @@ log = logging.getLogger("agentenv.envd")
 STD_CHUNK = 32 * 1024
 PTY_CHUNK = 16 * 1024
 EXIT_RETENTION = 30.0
-# After the main process exits, background children may still hold its output open; don't wait forever.
-OUTPUT_DRAIN_GRACE = 1.0
+# After the main process exits, background children may still hold its output open: deliver what is in
+# flight (until output has been quiet for OUTPUT_QUIET) but never wait for their EOF.
+OUTPUT_QUIET = 0.05
+OUTPUT_DRAIN_MAX = 2.0
 DEFAULT_KEEPALIVE = 90.0
 
 SIGNALS = {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
@@ -65,12 +68,52 @@ def _make_controlling_tty() -> None:  # runs in the child between fork and exec
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
 
+class _Protocol(asyncio.SubprocessProtocol):
+    """Receives pipe output and the exit notification. Exit is reported as soon as the main process
+    exits, even if a background grandchild keeps stdout open (asyncio's Process.wait() would not)."""
+
+    def __init__(self) -> None:
+        self.exited = asyncio.Event()
+        self.pipes_done = asyncio.Event()
+        self.last_data = 0.0
+        self._open_pipes = {1, 2}
+        self._sink: Callable[[dict], None] | None = None
+        self._pending: list[dict] = []
+
+    def attach(self, sink: Callable[[dict], None]) -> None:
+        self._sink = sink
+        pending, self._pending = self._pending, []
+        for event in pending:
+            sink(event)
+
+    def emit(self, event: dict) -> None:
+        self.last_data = time.monotonic()
+        if self._sink is None:
+            self._pending.append(event)
+        else:
+            self._sink(event)
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        name = "stdout" if fd == 1 else "stderr"
+        for i in range(0, len(data), STD_CHUNK):
+            self.emit({"data": {name: b64encode(data[i:i + STD_CHUNK])}})
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        self._open_pipes.discard(fd)
+        if not self._open_pipes:
+            self.pipes_done.set()
+
+    def process_exited(self) -> None:
+        self.exited.set()
+
+
 @dataclass(eq=False)
 class ManagedProcess:
     pid: int
     config: dict[str, Any]
     tag: str | None
-    proc: asyncio.subprocess.Process
+    transport: asyncio.SubprocessTransport
+    protocol: _Protocol
     pty_master: int | None = None
     subscribers: set[asyncio.Queue] = field(default_factory=set)
     end: dict[str, Any] | None = None
@@ -98,15 +141,22 @@ class ManagedProcess:
             out["tag"] = self.tag
         return out
 
+    def send_signal(self, sig: int) -> None:
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                self.transport.send_signal(sig)
+
     def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the whole process group (the process leads its own session)."""
         try:
             os.killpg(self.pid, sig)
-        except ProcessLookupError:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
-        except PermissionError:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(sig)
+        except (ProcessLookupError, PermissionError):
+            self.send_signal(sig)
+
+    @property
+    def stdin(self) -> asyncio.WriteTransport | None:
+        pipe = self.transport.get_pipe_transport(0)
+        return pipe  # type: ignore[return-value]
 
 
 class ProcessManager:
@@ -173,6 +223,8 @@ class ProcessManager:
             creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
 
         master: int | None = None
+        loop = asyncio.get_running_loop()
+        protocol = _Protocol()
         self.spawning += 1
         try:
             if pty is not None:
@@ -182,20 +234,21 @@ class ProcessManager:
                     _set_winsize(master, int(size.get("cols") or 80), int(size.get("rows") or 24))
                     if creds:
                         os.fchown(slave, user.uid, -1)
-                    proc = await asyncio.create_subprocess_exec(
-                        cmd, *args, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
-                        start_new_session=True, preexec_fn=_make_controlling_tty, **creds,
+                    transport, _ = await loop.subprocess_exec(
+                        lambda: protocol, cmd, *args, stdin=slave, stdout=slave, stderr=slave, cwd=cwd,
+                        env=env, start_new_session=True, preexec_fn=_make_controlling_tty, **creds,
                     )
                 except BaseException:
                     os.close(master)
                     raise
                 finally:
                     os.close(slave)
+                protocol.pipes_done.set()
             else:
-                proc = await asyncio.create_subprocess_exec(
-                    cmd, *args,
-                    stdin=asyncio.subprocess.PIPE if want_stdin else asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                transport, _ = await loop.subprocess_exec(
+                    lambda: protocol, cmd, *args,
+                    stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                     cwd=cwd, env=env, start_new_session=True, **creds,
                 )
         except FileNotFoundError as exc:
@@ -208,40 +261,41 @@ class ProcessManager:
         config: dict[str, Any] = {"cmd": cmd, "args": args, "envs": dict(envs)}
         if pfield(spec, "cwd"):
             config["cwd"] = pfield(spec, "cwd")
-        mp = ManagedProcess(proc.pid, config, pfield(msg, "tag"), proc, master)
+        mp = ManagedProcess(transport.get_pid(), config, pfield(msg, "tag"), transport, protocol, master)
         self.procs[mp.pid] = mp
-        queue = mp.subscribe()  # before any output is read: the starter sees everything
-        asyncio.get_running_loop().create_task(self._supervise(mp, lifetime))
+        queue = mp.subscribe()  # before attaching: the starter sees all output
+        protocol.attach(mp.publish)
+        loop.create_task(self._supervise(mp, lifetime))
         log.info("started pid %d as %s: %s %s", mp.pid, user.name, cmd, args)
         return mp, queue
 
     async def _supervise(self, mp: ManagedProcess, lifetime: float | None) -> None:
         loop = asyncio.get_running_loop()
         timer = loop.call_later(lifetime, mp.kill_group) if lifetime else None
-        if mp.pty_master is not None:
-            readers = [loop.create_task(self._read_pty(mp))]
-        else:
-            assert mp.proc.stdout and mp.proc.stderr
-            readers = [
-                loop.create_task(self._read_pipe(mp, mp.proc.stdout, "stdout")),
-                loop.create_task(self._read_pipe(mp, mp.proc.stderr, "stderr")),
-            ]
+        pty_reader = loop.create_task(self._read_pty(mp)) if mp.pty_master is not None else None
+        proto = mp.protocol
         try:
-            returncode = await mp.proc.wait()
-            _done, pending = await asyncio.wait(readers, timeout=OUTPUT_DRAIN_GRACE)
-            for task in pending:
-                task.cancel()
+            await proto.exited.wait()
+            # Deliver output still in flight, but don't wait for EOF that a background child may hold.
+            deadline = loop.time() + OUTPUT_DRAIN_MAX
+            while loop.time() < deadline:
+                if proto.pipes_done.is_set() and (pty_reader is None or pty_reader.done()):
+                    break
+                await asyncio.sleep(OUTPUT_QUIET)
+                if time.monotonic() - proto.last_data >= OUTPUT_QUIET:
+                    break
         finally:
             if timer:
                 timer.cancel()
-            if mp.pty_master is not None:
+            if pty_reader is not None:
+                pty_reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pty_reader
                 with contextlib.suppress(OSError):
-                    loop.remove_reader(mp.pty_master)
-                    os.close(mp.pty_master)
-            if mp.proc.stdin is not None:
-                with contextlib.suppress(Exception):
-                    mp.proc.stdin.close()
-        mp.end = exit_event(returncode)
+                    os.close(mp.pty_master)  # type: ignore[arg-type]
+        returncode = mp.transport.get_returncode()
+        mp.transport.close()  # closes our pipe ends; the process has already exited
+        mp.end = exit_event(returncode if returncode is not None else -signal.SIGKILL)
         mp.publish({"end": mp.end})
         mp.done.set()
         log.info("pid %d ended: %s", mp.pid, mp.end["status"])
@@ -250,14 +304,6 @@ class ProcessManager:
     def _forget(self, mp: ManagedProcess) -> None:
         if self.procs.get(mp.pid) is mp:
             del self.procs[mp.pid]
-
-    @staticmethod
-    async def _read_pipe(mp: ManagedProcess, stream: asyncio.StreamReader, name: str) -> None:
-        while True:
-            chunk = await stream.read(STD_CHUNK)
-            if not chunk:
-                return
-            mp.publish({"data": {name: b64encode(chunk)}})
 
     @staticmethod
     async def _read_pty(mp: ManagedProcess) -> None:
@@ -281,7 +327,7 @@ class ProcessManager:
                 if not finished.done():
                     finished.set_result(None)
                 return
-            mp.publish({"data": {"pty": b64encode(chunk)}})
+            mp.protocol.emit({"data": {"pty": b64encode(chunk)}})
 
         loop.add_reader(fd, on_readable)
         try:
@@ -302,14 +348,10 @@ class ProcessManager:
                 # A PTY process has no separate stdin; its terminal is its stdin.
                 await _write_fd(mp.pty_master, b64decode(inp["stdin"]))
                 return
-            stdin = mp.proc.stdin
+            stdin = mp.stdin
             if stdin is None or stdin.is_closing():
                 raise ConnectError("internal", f"stdin of process {mp.pid} is not open")
-            try:
-                stdin.write(b64decode(inp["stdin"]))
-                await stdin.drain()
-            except (BrokenPipeError, ConnectionResetError) as exc:
-                raise ConnectError("internal", f"writing stdin of {mp.pid} failed: {exc}") from None
+            stdin.write(b64decode(inp["stdin"]))
 
     async def shutdown(self) -> None:
         for mp in list(self.procs.values()):
@@ -441,8 +483,7 @@ async def rpc_send_signal(request: web.Request, msg: dict) -> dict:
     if sig == signal.SIGKILL:
         mp.kill_group(signal.SIGKILL)
     elif sig == signal.SIGTERM:
-        with contextlib.suppress(ProcessLookupError):
-            mp.proc.send_signal(signal.SIGTERM)
+        mp.send_signal(signal.SIGTERM)
     else:
         raise ConnectError("unimplemented", f"signal {sig} is not supported")
     return {}
@@ -454,9 +495,10 @@ async def rpc_close_stdin(request: web.Request, msg: dict) -> dict:
     mp = manager.find_running(pfield(msg, "process"))
     if mp.pty_master is not None:
         raise ConnectError("failed_precondition", "cannot close stdin of a PTY process; send Ctrl-D instead")
-    if mp.proc.stdin is None:
+    stdin = mp.stdin
+    if stdin is None:
         raise ConnectError("failed_precondition", f"process {mp.pid} was started without stdin")
-    mp.proc.stdin.close()
+    stdin.close()
     return {}
 
 

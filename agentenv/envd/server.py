@@ -50,7 +50,14 @@ async def access_middleware(request: web.Request, handler) -> web.StreamResponse
     state = get_state(request)
     if request.path not in _OPEN_PATHS and not state.token_ok(request.headers.get("X-Access-Token")):
         return unauthorized()
-    return await handler(request)
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        # aiohttp's own 500 page would also force-close the connection (see module docstring).
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response({"code": 500, "message": str(exc) or type(exc).__name__}, status=500)
 
 
 async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:

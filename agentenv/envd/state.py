@@ -34,7 +34,9 @@ class EnvdState:
 
     @classmethod
     def from_environ(cls) -> "EnvdState":
-        limit = os.environ.get("AGENTENV_ENVD_MAX_UPLOAD")
+        limit = os.environ.get("AGENTENV_ENVD_MAX_UPLOAD", "").strip()
+        if limit and not limit.isdigit():
+            raise ValueError(f"AGENTENV_ENVD_MAX_UPLOAD must be a number of bytes, got {limit!r}")
         return cls(
             host_token=os.environ.get("AGENTENV_ENVD_HOST_TOKEN") or None,
             max_upload=int(limit) if limit else None,

@@ -25,12 +25,15 @@ sandbox id is that link's ifalias, so a restarted server rediscovers every slot 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures
 import errno
 import logging
 import os
+import subprocess
 import time
 from pathlib import Path
+from typing import AsyncIterator
 
 from pyroute2 import AsyncIPRoute, IPRoute, netns as pr_netns
 from pyroute2.netlink.exceptions import NetlinkError
@@ -58,6 +61,7 @@ log = logging.getLogger(__name__)
 
 HOST_TABLE = "agentenv"  # nft table (family ip) in the root netns
 CMD_TIMEOUT = 10.0
+NETLINK_TIMEOUT = 10.0
 
 
 def _host_ruleset() -> str:
@@ -118,6 +122,20 @@ _NETNS_SETUP_SH = (
 )
 
 
+@contextlib.asynccontextmanager
+async def _netlink(netns: str | None = None, create: bool = False) -> AsyncIterator[AsyncIPRoute]:
+    """An rtnetlink socket (optionally inside a named netns) with a deadline on everything done with it:
+    netlink calls have no timeout of their own and a lost reply would hang the caller forever."""
+    kw = {} if netns is None else {"netns": netns, "flags": os.O_CREAT if create else 0}
+    try:
+        async with asyncio.timeout(NETLINK_TIMEOUT):
+            async with AsyncIPRoute(**kw) as ipr:
+                yield ipr
+    except TimeoutError:
+        raise RuntimeFailure(f"netlink operation{' in netns ' + netns if netns else ''} timed out "
+                             f"after {NETLINK_TIMEOUT:.0f}s") from None
+
+
 class _LinkTaken(Exception):
     pass
 
@@ -133,6 +151,7 @@ class NetworkManager:
         self.capacity = slot_capacity(self.subnet)
         self._slots: dict[str, NetSlot] = {}   # sandbox_id -> slot
         self._used: set[int] = set()           # indexes reserved (incl. allocations in progress)
+        self._pending: set[str] = set()        # sandbox ids being allocated
         self._lock = asyncio.Lock()
         self._discovered = False
         self._next = 0
@@ -165,11 +184,12 @@ class NetworkManager:
 
     # ---------------------------------------------------------------- discovery
 
-    def _scan_links(self, links) -> dict[str, NetSlot]:
+    def _scan_links(self, links, internet: str) -> dict[str, NetSlot]:
+        """Slots described by root-ns aeh* links; `internet` is `nft list set ... internet` output."""
         found: dict[str, NetSlot] = {}
         for link in links:
-            ifname = link.get("ifname") or link.get_attr("IFLA_IFNAME")
-            index = parse_host_link(ifname or "")
+            ifname = link.get_attr("IFLA_IFNAME") or ""
+            index = parse_host_link(ifname)
             if index is None:
                 continue
             self._used.add(index)
@@ -180,30 +200,28 @@ class NetworkManager:
             name = netns_name(sandbox_id)
             found[sandbox_id] = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}",
                                         host_ip=host_ip, veth_host=ifname, sandbox_id=sandbox_id,
-                                        peer_ip=peer_ip)
+                                        peer_ip=peer_ip, allow_internet=f'"{ifname}"' in internet)
         return found
 
     async def discover(self) -> dict[str, NetSlot]:
         """Rebuild the slot table from the kernel (after a server restart)."""
-        async with AsyncIPRoute() as ipr:
+        async with _netlink() as ipr:
             links = [x async for x in await ipr.link("dump")]
-        found = self._scan_links(links)
         res = await run_cmd(["nft", "list", "set", "ip", HOST_TABLE, "internet"], timeout=CMD_TIMEOUT, check=False)
-        for sid, slot in found.items():
-            allowed = res.returncode == 0 and f'"{slot.veth_host}"' in res.stdout
-            self._slots.setdefault(sid, NetSlot(**{**slot.__dict__, "allow_internet": allowed}))
+        for sid, slot in self._scan_links(links, res.stdout if res.returncode == 0 else "").items():
+            self._slots.setdefault(sid, slot)
         self._discovered = True
         return dict(self._slots)
 
     def slot_for(self, sandbox_id: str) -> NetSlot | None:
+        """The sandbox's slot; before discover() ran, looked up in the kernel directly."""
         slot = self._slots.get(sandbox_id)
         if slot is None and not self._discovered:
-            # Sync API inside a possibly running event loop: pyroute2's sync IPRoute needs its own
-            # loop, so scan from a short-lived thread. Only happens before discover() ran.
+            # pyroute2's sync IPRoute needs its own event loop, which fails inside a running one:
+            # scan from a short-lived thread. Only happens before discover() ran.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                links = pool.submit(_dump_links_sync).result(timeout=CMD_TIMEOUT)
-            found = self._scan_links(links)
-            slot = found.get(sandbox_id)
+                links, internet = pool.submit(_scan_kernel_sync).result(timeout=CMD_TIMEOUT * 2)
+            slot = self._scan_links(links, internet).get(sandbox_id)
             if slot is not None:
                 self._slots[sandbox_id] = slot
         return slot
@@ -215,10 +233,17 @@ class NetworkManager:
         async with self._lock:
             if not self._discovered:
                 await self.discover()
-            if sandbox_id in self._slots:
-                raise RuntimeFailure(f"sandbox {sandbox_id} already has network slot {self._slots[sandbox_id].index}")
+            if sandbox_id in self._slots or sandbox_id in self._pending:
+                raise RuntimeFailure(f"sandbox {sandbox_id} already has a network slot")
             if os.path.exists(os.path.join(NETNS_RUN_DIR, netns_name(sandbox_id))):
                 raise RuntimeFailure(f"netns {netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
+            self._pending.add(sandbox_id)
+        try:
+            return await self._allocate(sandbox_id, allow_internet, t0)
+        finally:
+            self._pending.discard(sandbox_id)
+
+    async def _allocate(self, sandbox_id: str, allow_internet: bool, t0: float) -> NetSlot:
         for _attempt in range(8):
             async with self._lock:
                 index = self._pick_index()
@@ -256,8 +281,8 @@ class NetworkManager:
         raise Unavailable(f"no free network slot in {self.subnet}")
 
     async def _create(self, slot: NetSlot) -> None:
-        # AsyncIPRoute(netns=...) creates the namespace (flags=O_CREAT) and opens a socket inside it.
-        async with AsyncIPRoute(netns=slot.netns) as ns, AsyncIPRoute() as root:
+        # create=True: pyroute2 creates the namespace and opens a socket inside it.
+        async with _netlink(netns=slot.netns, create=True) as ns, _netlink() as root:
             await ns.link("add", ifname=GUEST_LINK, kind="veth", peer=GATEWAY_LINK)
             # The netns now exists: plug the host-facing veth into it.
             try:
@@ -290,7 +315,7 @@ class NetworkManager:
 
     async def activate(self, slot: NetSlot) -> None:
         """Bring up the netns-kernel side once the runtime owns eth0 (after run/restore returned)."""
-        async with AsyncIPRoute(netns=slot.netns, flags=0) as ns:
+        async with _netlink(netns=slot.netns) as ns:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
                 await ns.link("set", index=idx, state="up")
@@ -302,7 +327,7 @@ class NetworkManager:
     async def deactivate(self, slot: NetSlot) -> None:
         """Undo activate() so the slot can take another runsc run/restore (e.g. a checkpointed
         sandbox restored into its own slot): gw0/host0 down, eth0 re-addressed with the guest route."""
-        async with AsyncIPRoute(netns=slot.netns, flags=0) as ns:
+        async with _netlink(netns=slot.netns) as ns:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
                 await ns.link("set", index=idx, state="down")
@@ -333,7 +358,7 @@ class NetworkManager:
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Remove every agentenv netns / aeh* link whose sandbox id is not in `keep`."""
         removed: set[str] = set()
-        async with AsyncIPRoute() as ipr:
+        async with _netlink() as ipr:
             links = [x async for x in await ipr.link("dump")]
         for link in links:
             ifname = link.get_attr("IFLA_IFNAME") or ""
@@ -364,9 +389,12 @@ class NetworkManager:
         return sorted(removed)
 
 
-def _dump_links_sync() -> list:
+def _scan_kernel_sync() -> tuple[list, str]:
     with IPRoute() as ipr:
-        return list(ipr.link("dump"))
+        links = list(ipr.link("dump"))
+    res = subprocess.run(["nft", "list", "set", "ip", HOST_TABLE, "internet"], capture_output=True,
+                         text=True, timeout=CMD_TIMEOUT)
+    return links, res.stdout if res.returncode == 0 else ""
 
 
 def _disable_ipv6(ifname: str) -> None:
@@ -377,7 +405,7 @@ def _disable_ipv6(ifname: str) -> None:
 
 
 async def _delete_link(ifname: str) -> None:
-    async with AsyncIPRoute() as ipr:
+    async with _netlink() as ipr:
         try:
             idx = await ipr.link_lookup(ifname=ifname)
             if idx:

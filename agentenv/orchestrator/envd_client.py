@@ -39,8 +39,13 @@ async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) ->
 
 
 async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, str], host_token: str,
-               default_user: str, default_workdir: str, timeout: float = 10.0) -> None:
-    """POST /init: hands envd its access token, global env vars and default user."""
+               default_user: str, default_workdir: str, current_token: str | None = None,
+               timeout: float = 10.0) -> None:
+    """POST /init: hands envd its access token, global env vars and default user.
+
+    A restored envd (fork child, snapshot) still holds the token of its checkpoint: `current_token`
+    proves the right to replace it; the host token (given to envd at boot) does the same.
+    """
     body = {
         "accessToken": access_token,
         "envVars": env_vars,
@@ -49,6 +54,8 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     headers = {"X-Agentenv-Host-Token": host_token}
+    if current_token:
+        headers["X-Access-Token"] = current_token
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         async with http.post(f"http://{host_ip}:{ENVD_PORT}/init", json=body, headers=headers) as resp:
             if resp.status >= 300:

@@ -29,7 +29,6 @@ TRANSITIONS: dict[S, dict[str, tuple[S, S]]] = {
     S.PAUSED: {
         "resume": (S.RESUMING, S.RUNNING),
         "kill": (S.KILLING, S.KILLED),
-        "snapshot": (S.SNAPSHOTTING, S.PAUSED),
     },
     S.CREATING: {},
     S.FAILED: {"kill": (S.KILLING, S.KILLED)},
@@ -40,6 +39,9 @@ _MESSAGES: dict[tuple[S, str], str] = {
     (S.PAUSED, "pause"): "Sandbox {id} is already paused",
     (S.RUNNING, "resume"): "Sandbox {id} is already running",
     (S.PAUSED, "fork"): "Sandbox {id} is paused; resume it before forking",
+    (S.PAUSED, "snapshot"): "Sandbox {id} is paused; resume it before taking a snapshot",
+    (S.FORKING, "snapshot"): "Sandbox {id} is being forked; try again when the fork is done",
+    (S.SNAPSHOTTING, "fork"): "Sandbox {id} is being snapshotted; try again when the snapshot is done",
 }
 
 

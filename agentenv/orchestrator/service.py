@@ -1,15 +1,23 @@
 """The orchestrator: owns every sandbox on this node, from create to kill or expiry.
 
-It composes the seams — image store, rootfs manager, network manager, runtime, state store — and
-is the only component that changes a sandbox's state (through `lifecycle`). The HTTP API and the
-traffic proxy call into it; it never speaks HTTP to users itself.
+It composes the seams — image store, rootfs manager, network manager, runtime, state store,
+artifact cache (snapshot layers + memory images) — and is the only component that changes a
+sandbox's state, always through `lifecycle`. The HTTP API and the traffic proxy call into it; it
+never speaks HTTP to users itself.
+
+Filesystem chain of every sandbox: base image → read-only layers (content-addressed, top first) →
+its own writable upper. Capturing a running sandbox (fork, snapshot) checkpoints its memory, seals
+the upper into a new layer, and restores the source in place on a fresh upper: the capture costs
+what changed since the previous one, and every child shares the same layers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
+import shutil
 import string
 import time
 from collections.abc import Iterable
@@ -19,22 +27,39 @@ from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
-from agentenv.errors import AgentEnvError, BadRequest, NotFound, RuntimeFailure, Unavailable, sandbox_not_found
-from agentenv.models import SandboxRecord, SandboxState, TemplateRecord, utcnow
+from agentenv.errors import (AgentEnvError, BadRequest, Conflict, NotFound, RuntimeFailure, Unavailable,
+                             sandbox_not_found)
+from agentenv.models import SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, utcnow
 from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.lifecycle import Lifecycle, check
 from agentenv.runtimes.base import Runtime, SandboxSpec
 from agentenv.state.base import StateStore
+from agentenv.storage.artifacts import ArtifactCache
 
 log = logging.getLogger("agentenv.orchestrator")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
+# After the proxy closed its connections, give the sandbox's side a moment to finish closing
+# (CLOSE_WAIT -> LAST_ACK -> CLOSED); gVisor refuses to checkpoint any non-listening TCP endpoint.
+QUIESCE_DELAY_S = 0.15
+
+
+def _new_id(prefix: str) -> str:
+    """E2B-shaped ids: a letter + 20 chars of [a-z0-9] (the proxy's host routing needs ^[a-z0-9]+$)."""
+    return prefix + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
 
 def new_sandbox_id() -> str:
-    """E2B-shaped ids: 'i' + 20 chars of [a-z0-9] (the proxy's host routing needs ^[a-z0-9]+$)."""
-    return "i" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+    return _new_id("i")
+
+
+def new_snapshot_id() -> str:
+    return _new_id("s")
+
+
+_TRANSIENT = (SandboxState.CREATING, SandboxState.FORKING, SandboxState.SNAPSHOTTING, SandboxState.RESUMING)
 
 
 @dataclass
@@ -49,7 +74,8 @@ class Route:
 
 
 class Orchestrator:
-    def __init__(self, settings: Settings, store: StateStore, images, rootfs, network, runtime: Runtime) -> None:
+    def __init__(self, settings: Settings, store: StateStore, images, rootfs, network, runtime: Runtime,
+                 artifacts: ArtifactCache) -> None:
         self.settings = settings
         self.paths = settings.paths
         self.store = store
@@ -57,15 +83,30 @@ class Orchestrator:
         self.rootfs = rootfs
         self.network = network
         self.runtime = runtime
+        self.artifacts = artifacts
         self.lifecycle = Lifecycle()
         # Live view of sandboxes on this node; the store is the durable copy.
         self._records: dict[str, SandboxRecord] = {}
         self._slots: dict[str, NetSlot] = {}
-        self._host_token = secrets.token_hex(16)
+        self._host_token = self._load_host_token()
         self._reaper: asyncio.Task | None = None
         self._creating = 0
-        # Called before a sandbox's connections must be gone (kill, checkpoint); set by the server.
+        self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
+        # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list = []
+
+    def _load_host_token(self) -> str:
+        """A per-data-dir secret envd accepts for re-/init; kept on disk so restores after a restart work."""
+        p = self.paths.root / "host-token"
+        try:
+            return p.read_text().strip()
+        except FileNotFoundError:
+            self.paths.root.mkdir(parents=True, exist_ok=True)
+            tok = secrets.token_hex(24)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(tok + "\n")
+            return tok
 
     # ------------------------------------------------------------------ startup / shutdown
 
@@ -74,6 +115,7 @@ class Orchestrator:
         await self.network.setup_host()
         await self._ensure_default_templates()
         await self._reconcile()
+        await self.gc_artifacts()
         self._reaper = asyncio.create_task(self._reap_loop(), name="ttl-reaper")
 
     async def stop(self, *, kill_running: bool = True) -> None:
@@ -96,10 +138,11 @@ class Orchestrator:
     async def _reconcile(self) -> None:
         """Re-adopt sandboxes still alive after a server restart; tear down everything else.
 
-        A sandbox survives only if its runtime container is alive and its network slot exists;
-        anything half-made (crash mid-create) is removed, so nothing is leaked across restarts.
+        Running sandboxes survive only if their container is alive and their network slot exists;
+        paused ones live on disk and stay resumable; anything half-made is removed.
         """
         keep: set[str] = set()
+        await self.network.discover()
         for rec in await self.store.list_sandboxes():
             slot = self.network.slot_for(rec.sandbox_id)
             alive = rec.state == SandboxState.RUNNING and slot is not None and await self.runtime.is_alive(rec.sandbox_id)
@@ -111,22 +154,50 @@ class Orchestrator:
             elif rec.state == SandboxState.PAUSED:
                 self._records[rec.sandbox_id] = rec
                 keep.add(rec.sandbox_id)
+                log.info("paused sandbox %s is resumable", rec.sandbox_id)
             else:
-                log.warning("dropping sandbox %s (state %s) that did not survive the restart", rec.sandbox_id, rec.state.value)
+                log.warning("dropping sandbox %s (state %s) that did not survive the restart", rec.sandbox_id,
+                            rec.state.value)
                 await self._teardown(rec.sandbox_id)
                 await self.store.delete_sandbox(rec.sandbox_id)
         await self.gc(keep)
+        for sid, rec in self._records.items():
+            if rec.state == SandboxState.PAUSED:
+                await self.rootfs.unmount(sid)
 
     async def gc(self, keep: set[str]) -> dict[str, list[str]]:
         """Remove every container, netns, mount and sandbox dir of this data dir not in `keep`."""
         removed: dict[str, list[str]] = {"containers": [], "netns": [], "rootfs": []}
+        # Only sandboxes this data dir knows are candidates: another server (or a test) on the same
+        # host keeps its own sandboxes.
+        known: set[str] = {r.sandbox_id for r in await self.store.list_sandboxes()}
+        if self.paths.sandboxes.exists():
+            known |= {p.name for p in self.paths.sandboxes.iterdir() if p.is_dir()}
         for sid in await self.runtime.list_ids():
+            known.add(sid)
             if sid not in keep:
                 await self.runtime.stop(sid)
                 removed["containers"].append(sid)
-        removed["netns"] = list(await self.network.cleanup_orphans(keep))
+        await self.network.discover()
+        for sid in sorted(known - keep):
+            slot = self.network.slot_for(sid)
+            if slot is not None:
+                await self.network.release(slot)
+                removed["netns"].append(sid)
         removed["rootfs"] = list(await self.rootfs.cleanup_orphans(keep))
         return removed
+
+    async def gc_artifacts(self) -> dict[str, int]:
+        """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
+        layers: set[str] = set()
+        memory: set[str] = set(self._pinned_memory)
+        for rec in list(self._records.values()) + await self.store.list_sandboxes():
+            layers.update(rec.layers)
+        for snap in await self.store.list_snapshots():
+            layers.update(snap.layers)
+            if snap.memory_digest:
+                memory.add(snap.memory_digest)
+        return await self.artifacts.gc(layers, memory)
 
     # ------------------------------------------------------------------ queries
 
@@ -150,54 +221,49 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ create
 
+    def _admit(self, n: int = 1) -> None:
+        active = sum(1 for r in self._records.values() if r.state != SandboxState.PAUSED) + self._creating
+        if active + n > self.settings.max_sandboxes:
+            raise Unavailable(f"node is at capacity ({self.settings.max_sandboxes} sandboxes); retry later",
+                              error_code="capacity_exhausted")
+
     async def create_sandbox(self, *, team_id: str, template: str, timeout: int, metadata: dict[str, str],
                              env_vars: dict[str, str], secure: bool = True, auto_pause: bool = False,
                              auto_resume: bool = False, allow_internet_access: bool | None = None,
                              network: dict | None = None) -> SandboxRecord:
-        tmpl = await self.store.get_template(template)
-        if tmpl is None:
-            raise NotFound(f"template '{template}' not found")
         self._check_timeout(timeout)
-        active = sum(1 for r in self._records.values() if r.state != SandboxState.PAUSED) + self._creating
-        if active >= self.settings.max_sandboxes:
-            raise Unavailable(f"node is at capacity ({self.settings.max_sandboxes} sandboxes); retry later",
-                              error_code="capacity_exhausted")
+        tmpl = await self.store.get_template(template)
+        snap = None if tmpl is not None else await self._find_snapshot(template, team_id)
+        if tmpl is None and snap is None:
+            raise NotFound(f"template '{template}' not found")
+        self._admit()
         now = utcnow()
+        src = snap if snap is not None else tmpl
         rec = SandboxRecord(
-            sandbox_id=new_sandbox_id(), template_id=tmpl.template_id, team_id=team_id,
+            sandbox_id=new_sandbox_id(), template_id=template if snap else tmpl.template_id, team_id=team_id,
             state=SandboxState.CREATING, started_at=now, end_at=now + timedelta(seconds=timeout),
-            cpu_count=tmpl.cpu_count, memory_mb=tmpl.memory_mb, disk_mb=tmpl.disk_mb,
-            envd_access_token=secrets.token_urlsafe(24),
-            traffic_access_token=None, alias=(tmpl.aliases[0] if tmpl.aliases else None),
-            metadata=dict(metadata), env_vars=dict(env_vars), auto_pause=auto_pause, auto_resume=auto_resume,
+            cpu_count=src.cpu_count, memory_mb=src.memory_mb, disk_mb=src.disk_mb,
+            envd_access_token=secrets.token_urlsafe(24), traffic_access_token=None,
+            alias=(tmpl.aliases[0] if tmpl and tmpl.aliases else (snap.names[0] if snap and snap.names else None)),
+            metadata=dict(metadata), env_vars={**(snap.env_vars if snap else {}), **env_vars},
+            auto_pause=auto_pause, auto_resume=auto_resume,
             allow_internet_access=(self.settings.allow_internet_access if allow_internet_access is None
                                    else allow_internet_access),
-            network=network, runtime=self.runtime.name)
+            network=network, runtime=self.runtime.name,
+            image=(snap.image if snap else tmpl.image), layers=list(snap.layers) if snap else [],
+            snapshot_id=snap.snapshot_id if snap else None)
         if network and network.get("allowPublicTraffic") is False:
             rec.traffic_access_token = secrets.token_urlsafe(24)
-        self._creating += 1
         t0 = time.monotonic()
-        try:
-            async with self.lifecycle.lock(rec.sandbox_id):
-                self._records[rec.sandbox_id] = rec
-                await self.store.put_sandbox(rec)
-                try:
-                    await self._boot(rec, tmpl)
-                except BaseException as e:
-                    log.error("create of %s failed: %s", rec.sandbox_id, e)
-                    self._records.pop(rec.sandbox_id, None)
-                    await asyncio.shield(self._teardown(rec.sandbox_id))
-                    await self.store.delete_sandbox(rec.sandbox_id)
-                    if isinstance(e, AgentEnvError):
-                        raise
-                    if isinstance(e, Exception):
-                        raise RuntimeFailure(f"failed to start sandbox: {e}") from e
-                    raise
-                rec.state = SandboxState.RUNNING
-                await self.store.put_sandbox(rec)
-        finally:
-            self._creating -= 1
-        log.info("created sandbox %s from %s in %.3fs", rec.sandbox_id, tmpl.template_id, time.monotonic() - t0)
+        if snap is not None and snap.memory_digest:
+            mem = await self._pin_memory(snap.memory_digest)
+            try:
+                await self._spawn(rec, restore_from=mem, restore_token=snap.restore_token)
+            finally:
+                self._unpin_memory(snap.memory_digest)
+        else:
+            await self._spawn(rec)
+        log.info("created sandbox %s from %s in %.3fs", rec.sandbox_id, template, time.monotonic() - t0)
         return rec
 
     def _check_timeout(self, timeout: int) -> None:
@@ -212,6 +278,9 @@ class Orchestrator:
         env.update(rec.env_vars)
         return env
 
+    def _lowers(self, rec: SandboxRecord) -> list[Path]:
+        return [self.artifacts.layer_dir(d) for d in rec.layers] + [self.images.image_rootfs(rec.image)]
+
     def _spec(self, rec: SandboxRecord, rootfs: Path, slot: NetSlot, tools: Path) -> SandboxSpec:
         env = dict(self.images.envd_env())
         env["AGENTENV_ENVD_HOST_TOKEN"] = self._host_token
@@ -222,49 +291,88 @@ class Orchestrator:
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
             args=list(self.images.envd_argv()), env=env)
 
-    async def _boot(self, rec: SandboxRecord, tmpl: TemplateRecord) -> None:
+    async def _spawn(self, rec: SandboxRecord, *, restore_from: Path | None = None,
+                     restore_token: str | None = None) -> None:
+        """Bring a new sandbox record to RUNNING (boot, or restore from a memory image); all or nothing."""
+        self._creating += 1
+        try:
+            async with self.lifecycle.lock(rec.sandbox_id):
+                self._records[rec.sandbox_id] = rec
+                await self.store.put_sandbox(rec)
+                try:
+                    await self._bring_up(rec, restore_from=restore_from, restore_token=restore_token)
+                except BaseException as e:
+                    log.error("start of %s failed: %s", rec.sandbox_id, e)
+                    self._records.pop(rec.sandbox_id, None)
+                    await asyncio.shield(self._teardown(rec.sandbox_id))
+                    await asyncio.shield(self.store.delete_sandbox(rec.sandbox_id))
+                    if isinstance(e, AgentEnvError):
+                        raise
+                    if isinstance(e, Exception):
+                        raise RuntimeFailure(f"failed to start sandbox: {e}") from e
+                    raise
+                rec.state = SandboxState.RUNNING
+                await self.store.put_sandbox(rec)
+        finally:
+            self._creating -= 1
+
+    async def _bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
+                        slot: NetSlot | None = None) -> None:
+        """Mount the rootfs, take a network slot, start or restore, wait for envd, (re)init it."""
         tools = await self.images.ensure_tools()
-        base = self.images.image_rootfs(tmpl.image)
-        rootfs, slot = await asyncio.gather(
-            self.rootfs.prepare(rec.sandbox_id, [base]),
-            self.network.allocate(rec.sandbox_id, allow_internet=rec.allow_internet_access))
+        for digest in rec.layers:
+            await self.artifacts.ensure_layer(digest)
+        if slot is None:
+            rootfs, slot = await asyncio.gather(
+                self.rootfs.prepare(rec.sandbox_id, self._lowers(rec)),
+                self.network.allocate(rec.sandbox_id, allow_internet=rec.allow_internet_access))
+        else:
+            rootfs = await self.rootfs.prepare(rec.sandbox_id, self._lowers(rec))
         self._slots[rec.sandbox_id] = slot
         spec = self._spec(rec, rootfs, slot, tools)
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)
-        await self.runtime.start(spec)
+        if restore_from is None:
+            await self.runtime.start(spec)
+        else:
+            await self.runtime.restore(spec, restore_from)
         await self.network.activate(slot)
         await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(rec.sandbox_id))
         await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self._sandbox_env(rec),
-                               host_token=self._host_token, default_user=DEFAULT_USER,
-                               default_workdir=DEFAULT_HOME)
+                               host_token=self._host_token, current_token=restore_token,
+                               default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
 
     # ------------------------------------------------------------------ kill / teardown
 
     async def _teardown(self, sandbox_id: str) -> None:
         """Release everything a sandbox holds; each step idempotent and independent of the others."""
-        for cb in self.on_before_stop:
-            try:
-                await cb(sandbox_id)
-            except Exception:  # noqa: BLE001 - teardown must go on
-                log.exception("before-stop hook failed for %s", sandbox_id)
-        steps = [
-            ("runtime", self.runtime.stop(sandbox_id)),
-        ]
-        for name, coro in steps:
-            try:
-                await coro
-            except Exception:  # noqa: BLE001
-                log.exception("teardown step %s failed for %s", name, sandbox_id)
+        await self._quiesce(sandbox_id, wait=False)
+        try:
+            await self.runtime.stop(sandbox_id)
+        except Exception:  # noqa: BLE001 - teardown must go on
+            log.exception("runtime stop failed for %s", sandbox_id)
+        await self._release_slot(sandbox_id)
+        try:
+            await self.rootfs.release(sandbox_id)
+        except Exception:  # noqa: BLE001
+            log.exception("rootfs release failed for %s", sandbox_id)
+
+    async def _release_slot(self, sandbox_id: str) -> None:
         slot = self._slots.pop(sandbox_id, None) or self.network.slot_for(sandbox_id)
         if slot is not None:
             try:
                 await self.network.release(slot)
             except Exception:  # noqa: BLE001
                 log.exception("network release failed for %s", sandbox_id)
-        try:
-            await self.rootfs.release(sandbox_id)
-        except Exception:  # noqa: BLE001
-            log.exception("rootfs release failed for %s", sandbox_id)
+
+    async def _quiesce(self, sandbox_id: str, *, wait: bool = True) -> None:
+        """Close every host-side connection into the sandbox (the proxy's pool, streams)."""
+        for cb in self.on_before_stop:
+            try:
+                await cb(sandbox_id)
+            except Exception:  # noqa: BLE001
+                log.exception("before-stop hook failed for %s", sandbox_id)
+        if wait:
+            await asyncio.sleep(QUIESCE_DELAY_S)
 
     async def kill_sandbox(self, sandbox_id: str, *, team_id: str | None) -> None:
         self._get_live(sandbox_id, team_id)
@@ -277,6 +385,8 @@ class Orchestrator:
             await self.store.delete_sandbox(sandbox_id)
         self.lifecycle.forget(sandbox_id)
         log.info("killed sandbox %s", sandbox_id)
+        if rec.layers:
+            await self.gc_artifacts()
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
         try:
@@ -285,6 +395,26 @@ class Orchestrator:
             pass
         except Exception:  # noqa: BLE001
             log.exception("kill of %s failed", sandbox_id)
+
+    async def _lose(self, rec: SandboxRecord, why: Exception) -> RuntimeFailure:
+        """A checkpoint or restore failed half-way: the sandbox is gone; clean it up and say so."""
+        log.error("sandbox %s lost: %s", rec.sandbox_id, why)
+        self._keep_logs(rec.sandbox_id, "lost")
+        self._records.pop(rec.sandbox_id, None)
+        await asyncio.shield(self._teardown(rec.sandbox_id))
+        await asyncio.shield(self.store.delete_sandbox(rec.sandbox_id))
+        return RuntimeFailure(f"sandbox {rec.sandbox_id} was lost: {why}", error_code="sandbox_lost")
+
+    def _keep_logs(self, sandbox_id: str, why: str) -> None:
+        """Copy a failed sandbox's runtime log to <data>/logs/ before its dir is removed."""
+        bundle = self.paths.sandbox_dir(sandbox_id) / "bundle"
+        logs = self.paths.root / "logs"
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            for f in bundle.glob("*.log"):
+                shutil.copyfile(f, logs / f"{sandbox_id}-{why}-{f.name}")
+        except OSError:
+            log.exception("could not keep logs of %s", sandbox_id)
 
     # ------------------------------------------------------------------ timeouts
 
@@ -303,40 +433,287 @@ class Orchestrator:
             rec.end_at = max(rec.end_at, utcnow() + timedelta(seconds=duration))
             await self.store.put_sandbox(rec)
 
+    async def _reap_loop(self) -> None:
+        """Kill (or, with autoPause, pause) sandboxes whose endAt has passed."""
+        busy: set[str] = set()
+
+        async def expire(rec: SandboxRecord) -> None:
+            try:
+                if rec.auto_pause:
+                    await self.pause_sandbox(rec.sandbox_id, team_id=None, memory=True)
+                else:
+                    await self._kill_quietly(rec.sandbox_id)
+            except AgentEnvError as e:
+                log.warning("expiry of %s: %s", rec.sandbox_id, e.message)
+            except Exception:  # noqa: BLE001
+                log.exception("expiry of %s failed", rec.sandbox_id)
+            finally:
+                busy.discard(rec.sandbox_id)
+
+        while True:
+            try:
+                now = utcnow()
+                for r in list(self._records.values()):
+                    if r.state == SandboxState.RUNNING and r.end_at <= now and r.sandbox_id not in busy:
+                        log.info("sandbox %s reached its timeout (%s)", r.sandbox_id,
+                                 "pausing" if r.auto_pause else "killing")
+                        busy.add(r.sandbox_id)
+                        asyncio.create_task(expire(r), name=f"expire-{r.sandbox_id}")
+            except Exception:  # noqa: BLE001
+                log.exception("reaper iteration failed")
+            await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ pause / resume
+
+    def _checkpoint_dir(self, sandbox_id: str) -> Path:
+        return self.paths.sandbox_dir(sandbox_id) / "checkpoint"
+
+    async def pause_sandbox(self, sandbox_id: str, *, team_id: str | None, memory: bool = True) -> None:
+        """Checkpoint memory (unless filesystem-only) and release CPU, memory and the network slot.
+
+        The upper layer and the checkpoint stay in the sandbox dir, so a paused sandbox survives a
+        server restart (or kill -9) and resumes with the same processes, PIDs and files.
+        """
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self._get_live(sandbox_id, team_id)
+            _, final = check(rec.state, "pause", sandbox_id)
+            rec.state = SandboxState.PAUSING
+            ckpt = self._checkpoint_dir(sandbox_id)
+            shutil.rmtree(ckpt, ignore_errors=True)
+            try:
+                await self._quiesce(sandbox_id)
+                if memory:
+                    await self.runtime.checkpoint(sandbox_id, ckpt)
+                else:
+                    await self.runtime.stop(sandbox_id)
+            except Exception as e:  # noqa: BLE001
+                raise await self._lose(rec, e) from e
+            await self._release_slot(sandbox_id)
+            await self.rootfs.unmount(sandbox_id)
+            rec.state = final
+            rec.pause_mode = "full" if memory else "filesystem"
+            await self.store.put_sandbox(rec)
+        log.info("paused sandbox %s (%s)", sandbox_id, rec.pause_mode)
+
     async def connect_sandbox(self, sandbox_id: str, timeout: int, *, team_id: str) -> tuple[SandboxRecord, bool]:
         self._check_timeout(timeout)
         async with self.lifecycle.lock(sandbox_id):
             rec = self._get_live(sandbox_id, team_id)
             if rec.state == SandboxState.PAUSED:
-                raise await self._resume_locked(rec, timeout)
+                await self._resume_locked(rec, timeout)
+                return replace(rec), True
+            if rec.state != SandboxState.RUNNING:
+                raise Conflict(f"Sandbox {sandbox_id} is {rec.state.value}; try again shortly",
+                               error_code="sandbox_changing_state")
             rec.end_at = max(rec.end_at, utcnow() + timedelta(seconds=timeout))
             await self.store.put_sandbox(rec)
             return replace(rec), False
 
-    async def _resume_locked(self, rec: SandboxRecord, timeout: int) -> AgentEnvError:
-        # Pause/resume with memory state arrive with the snapshot work (issue 3).
-        return AgentEnvError("resuming paused sandboxes is not supported yet", status=501)
+    async def _resume_locked(self, rec: SandboxRecord, timeout: int) -> None:
+        _, final = check(rec.state, "resume", rec.sandbox_id)
+        self._admit()
+        rec.state = SandboxState.RESUMING
+        ckpt = self._checkpoint_dir(rec.sandbox_id)
+        full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
+        try:
+            if full:
+                await self._bring_up(rec, restore_from=ckpt, restore_token=rec.envd_access_token)
+            else:
+                await self._bring_up(rec, restore_from=None, restore_token=None)
+        except Exception as e:  # noqa: BLE001
+            # The paused state on disk is intact: undo what the attempt set up and stay paused.
+            log.error("resume of %s failed: %s", rec.sandbox_id, e)
+            await self._quiesce(rec.sandbox_id, wait=False)
+            await self.runtime.stop(rec.sandbox_id)
+            await self._release_slot(rec.sandbox_id)
+            await self.rootfs.unmount(rec.sandbox_id)
+            rec.state = SandboxState.PAUSED
+            raise RuntimeFailure(f"resume of sandbox {rec.sandbox_id} failed: {e}") from e
+        shutil.rmtree(ckpt, ignore_errors=True)
+        now = utcnow()
+        rec.state = final
+        rec.pause_mode = None
+        rec.started_at = now
+        rec.end_at = now + timedelta(seconds=timeout)
+        await self.store.put_sandbox(rec)
+        log.info("resumed sandbox %s", rec.sandbox_id)
 
-    async def pause_sandbox(self, sandbox_id: str, *, team_id: str) -> None:
+    # ------------------------------------------------------------------ capture (fork, snapshot)
+
+    async def _capture(self, rec: SandboxRecord) -> str:
+        """Checkpoint a running sandbox, seal its upper into a layer, restore it in place.
+
+        Returns the memory artifact's digest. The caller holds the sandbox's lock and has set its
+        transient state. On any failure the source is lost (a failed gVisor checkpoint kills it).
+        """
+        sid = rec.sandbox_id
+        tmp_image = self.paths.sandbox_dir(sid) / "capture"
+        shutil.rmtree(tmp_image, ignore_errors=True)
+        slot = self._slots[sid]
+        try:
+            t0 = time.monotonic()
+            await self._quiesce(sid)
+            await self.runtime.checkpoint(sid, tmp_image)
+            t_ckpt = time.monotonic() - t0
+            await self.rootfs.unmount(sid)
+            layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
+            if layer:
+                rec.layers = [layer] + rec.layers
+            mem = await self.artifacts.seal_memory(tmp_image)
+            self._pin(mem)
+            t_seal = time.monotonic() - t0 - t_ckpt
+            # Same id, same slot (guest addressing is identical anyway), fresh upper on the new chain.
+            await self.network.deactivate(slot)
+            await self._bring_up(rec, restore_from=self.artifacts.memory_dir(mem),
+                                 restore_token=rec.envd_access_token, slot=slot)
+            log.info("captured %s: checkpoint %.3fs, seal %.3fs, source back after %.3fs (layer %s)", sid,
+                     t_ckpt, t_seal, time.monotonic() - t0, layer[:12] if layer else "-")
+        except Exception as e:  # noqa: BLE001
+            raise await self._lose(rec, e) from e
+        await self.store.put_sandbox(rec)
+        return mem
+
+    def _pin(self, digest: str) -> None:
+        self._pinned_memory[digest] = self._pinned_memory.get(digest, 0) + 1
+
+    def _unpin_memory(self, digest: str) -> None:
+        n = self._pinned_memory.get(digest, 0) - 1
+        if n <= 0:
+            self._pinned_memory.pop(digest, None)
+        else:
+            self._pinned_memory[digest] = n
+
+    async def _pin_memory(self, digest: str) -> Path:
+        self._pin(digest)
+        try:
+            return await self.artifacts.ensure_memory(digest)
+        except BaseException:
+            self._unpin_memory(digest)
+            raise
+
+    async def fork_sandbox(self, sandbox_id: str, *, team_id: str, count: int | None = None,
+                           timeout: int | None = None) -> list[SandboxRecord | AgentEnvError]:
+        """Capture the source once, resume it under the same id, start `count` children from the capture."""
+        count = 1 if count is None else count
+        if not 1 <= count <= self.settings.fork_max_count:
+            raise BadRequest(f"count must be between 1 and {self.settings.fork_max_count}")
+        timeout = self.settings.default_timeout_s if timeout is None else timeout
+        self._check_timeout(timeout)
+        self._get_live(sandbox_id, team_id)
+        self._admit(count)
         async with self.lifecycle.lock(sandbox_id):
             rec = self._get_live(sandbox_id, team_id)
-            check(rec.state, "pause", sandbox_id)
-            raise AgentEnvError("pause is not supported yet on this server", status=501,
-                                error_code="not_implemented")
+            _, final = check(rec.state, "fork", sandbox_id)
+            rec.state = SandboxState.FORKING
+            t0 = time.monotonic()
+            mem = await self._capture(rec)
+            rec.state = final
+            await self.store.put_sandbox(rec)
+            source_back = time.monotonic() - t0
+        try:
+            children = [self._child_of(rec, timeout) for _ in range(count)]
+            mem_dir = self.artifacts.memory_dir(mem)
 
-    async def _reap_loop(self) -> None:
-        """Kill (or, with autoPause, pause) sandboxes whose endAt has passed."""
-        while True:
-            try:
-                now = utcnow()
-                due = [r.sandbox_id for r in list(self._records.values())
-                       if r.state == SandboxState.RUNNING and r.end_at <= now]
-                for sid in due:
-                    log.info("sandbox %s reached its timeout", sid)
-                    asyncio.create_task(self._kill_quietly(sid), name=f"expire-{sid}")
-            except Exception:  # noqa: BLE001
-                log.exception("reaper iteration failed")
-            await asyncio.sleep(0.5)
+            async def one(child: SandboxRecord) -> SandboxRecord | AgentEnvError:
+                try:
+                    await self._spawn(child, restore_from=mem_dir, restore_token=rec.envd_access_token)
+                    return child
+                except AgentEnvError as e:
+                    return e
+                except Exception as e:  # noqa: BLE001
+                    return RuntimeFailure(f"fork child failed to start: {e}")
+
+            results = await asyncio.gather(*(one(c) for c in children))
+        finally:
+            self._unpin_memory(mem)
+        ok = sum(1 for r in results if isinstance(r, SandboxRecord))
+        log.info("forked %s into %d/%d children in %.3fs (source paused %.3fs)", sandbox_id, ok, count,
+                 time.monotonic() - t0, source_back)
+        await self.gc_artifacts()
+        return list(results)
+
+    def _child_of(self, rec: SandboxRecord, timeout: int) -> SandboxRecord:
+        now = utcnow()
+        return replace(
+            rec, sandbox_id=new_sandbox_id(), state=SandboxState.CREATING, started_at=now,
+            end_at=now + timedelta(seconds=timeout), envd_access_token=secrets.token_urlsafe(24),
+            traffic_access_token=secrets.token_urlsafe(24) if rec.traffic_access_token else None,
+            metadata=dict(rec.metadata), env_vars=dict(rec.env_vars), layers=list(rec.layers),
+            parent_id=rec.sandbox_id, slot=None, memory_digest=None, pause_mode=None, created_at=now)
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def create_snapshot(self, sandbox_id: str, *, team_id: str, name: str | None = None,
+                              memory: bool = True) -> SnapshotRecord:
+        """Commit the sandbox's current state (filesystem layers, + memory unless filesystem-only)."""
+        if name is not None and not (0 < len(name) <= 128 and name.isprintable()):
+            raise BadRequest("snapshot name must be 1-128 printable characters")
+        self._get_live(sandbox_id, team_id)
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self._get_live(sandbox_id, team_id)
+            _, final = check(rec.state, "snapshot", sandbox_id)
+            rec.state = SandboxState.SNAPSHOTTING
+            mem = await self._capture(rec)
+            rec.state = final
+            await self.store.put_sandbox(rec)
+        try:
+            size = sum(self.artifacts.local._blob("layers", d).stat().st_size for d in rec.layers)
+            if memory:
+                size += self.artifacts.local._blob("memory", mem).stat().st_size
+            snap = SnapshotRecord(
+                snapshot_id=new_snapshot_id(), team_id=rec.team_id, names=[name] if name else [],
+                source_sandbox_id=sandbox_id, template_id=rec.template_id, image=rec.image,
+                layers=list(rec.layers), memory_digest=mem if memory else None, cpu_count=rec.cpu_count,
+                memory_mb=rec.memory_mb, disk_mb=rec.disk_mb, env_vars=dict(rec.env_vars),
+                metadata=dict(rec.metadata), size_bytes=size, restore_token=rec.envd_access_token)
+            await self.artifacts.publish(snap)
+            await self.store.put_snapshot(snap)
+        finally:
+            self._unpin_memory(mem)
+        await self.gc_artifacts()
+        log.info("snapshot %s of %s committed (%d layers, %s, %d bytes)", snap.snapshot_id, sandbox_id,
+                 len(snap.layers), "memory" if memory else "filesystem only", snap.size_bytes)
+        return snap
+
+    async def _find_snapshot(self, id_or_name: str, team_id: str | None) -> SnapshotRecord | None:
+        snap = await self.store.get_snapshot(id_or_name)
+        if snap is None:
+            snap = await self.artifacts.find_manifest(id_or_name)
+            if snap is not None:
+                await self.store.put_snapshot(snap)  # catalog it on this node
+        if snap is not None and team_id is not None and snap.team_id != team_id:
+            return None
+        return snap
+
+    async def list_snapshots(self, *, team_id: str, sandbox_id: str | None = None,
+                             name: str | None = None) -> list[SnapshotRecord]:
+        by_id = {s.snapshot_id: s for s in await self.store.list_snapshots(team_id=team_id)}
+        for m in await self.artifacts.store.list_manifests():
+            s = SnapshotRecord.from_manifest(m)
+            if s.team_id == team_id:
+                by_id.setdefault(s.snapshot_id, s)
+        out = [s for s in by_id.values()
+               if (sandbox_id is None or s.source_sandbox_id == sandbox_id)
+               and (name is None or name == s.snapshot_id or name in s.names)]
+        return sorted(out, key=lambda s: (s.created_at, s.snapshot_id))
+
+    async def get_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> SnapshotRecord:
+        snap = await self._find_snapshot(snapshot_id_or_name, team_id)
+        if snap is None:
+            raise NotFound(f"snapshot '{snapshot_id_or_name}' not found")
+        return snap
+
+    async def delete_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> None:
+        snap = await self.get_snapshot(snapshot_id_or_name, team_id=team_id)
+        others = [s for s in await self.list_snapshots(team_id=team_id) if s.snapshot_id != snap.snapshot_id]
+        # Other teams' snapshots may share layers too (content addressing): keep those blobs.
+        for m in await self.artifacts.store.list_manifests():
+            if m.get("teamID") != team_id and m.get("snapshotID") != snap.snapshot_id:
+                others.append(SnapshotRecord.from_manifest(m))
+        await self.artifacts.delete_from_store(snap, others)
+        await self.store.delete_snapshot(snap.snapshot_id)
+        await self.gc_artifacts()
+        log.info("deleted snapshot %s", snap.snapshot_id)
 
     # ------------------------------------------------------------------ resolver for the traffic proxy
 
@@ -344,10 +721,17 @@ class Orchestrator:
         rec = self._records.get(sandbox_id)
         if rec is None:
             return None
+        # Traffic arriving during a short capture/resume waits for it rather than failing.
+        deadline = time.monotonic() + 60
+        while rec.state in _TRANSIENT and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            rec = self._records.get(sandbox_id)
+            if rec is None:
+                return None
         slot = self._slots.get(sandbox_id)
-        running = rec.state in (SandboxState.RUNNING, SandboxState.SNAPSHOTTING, SandboxState.FORKING)
-        return Route(sandbox_id, slot.host_ip if (slot and running) else None, rec.state.public if running
-                     else rec.state.value, rec.envd_access_token, rec.traffic_access_token)
+        running = rec.state == SandboxState.RUNNING
+        return Route(sandbox_id, slot.host_ip if (slot and running) else None,
+                     "running" if running else rec.state.value, rec.envd_access_token, rec.traffic_access_token)
 
     def running_routes(self) -> Iterable[Route]:
         for sid, rec in self._records.items():

@@ -222,6 +222,30 @@ class GVisorRuntime:
                 raise RuntimeFailure(f"runsc delete {sandbox_id} failed: {res.stderr.strip()[-1000:]}")
         await self._remove_cgroups(sandbox_id)
 
+    async def cleanup_orphans(self, keep: set[str]) -> list[str]:
+        """Stop our containers not in `keep` and remove empty agentenv cgroups left by failed creates.
+
+        Cgroups are host-wide (shared with other data dirs): only empty ones of ids that runsc does
+        not know are removed, rmdir refuses a cgroup that still has processes anyway.
+        """
+        removed = []
+        known = await self.list_ids()
+        for sid in known:
+            if sid not in keep:
+                await self.stop(sid)
+                removed.append(sid)
+        for d in glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / "*")) + glob.glob(str(CGROUP_FS / CGROUP_PARENT / "*")):
+            sid = os.path.basename(d)
+            if not os.path.isdir(d) or sid in keep or sid in known:
+                continue
+            try:
+                os.rmdir(d)
+            except OSError:
+                continue  # busy (someone else's live sandbox) or already gone
+            if sid not in removed:
+                removed.append(sid)
+        return removed
+
     async def _remove_cgroups(self, sandbox_id: str) -> None:
         dirs = glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
             glob.glob(str(CGROUP_FS / CGROUP_PARENT / sandbox_id))

@@ -89,6 +89,7 @@ MIGRATIONS: list[str] = [
         env_vars TEXT NOT NULL DEFAULT '{}',
         metadata TEXT NOT NULL DEFAULT '{}',
         size_bytes INTEGER NOT NULL DEFAULT 0,
+        restore_token TEXT,
         created_at TEXT NOT NULL
     );
     CREATE INDEX snapshots_team ON snapshots (team_id, created_at);
@@ -103,7 +104,7 @@ _SANDBOX_COLS = (
 )
 _SNAPSHOT_COLS = (
     "snapshot_id", "team_id", "names", "source_sandbox_id", "template_id", "image", "layers", "memory_digest",
-    "cpu_count", "memory_mb", "disk_mb", "env_vars", "metadata", "size_bytes", "created_at",
+    "cpu_count", "memory_mb", "disk_mb", "env_vars", "metadata", "size_bytes", "restore_token", "created_at",
 )
 _TEMPLATE_COLS = ("template_id", "aliases", "cpu_count", "memory_mb", "disk_mb", "image", "public", "created_at")
 _KEY_COLS = ("key_id", "key_hash", "team_id", "name", "created_at", "revoked")
@@ -387,7 +388,7 @@ class SQLiteStateStore:
             "layers": json.dumps(list(rec.layers)), "memory_digest": rec.memory_digest,
             "cpu_count": rec.cpu_count, "memory_mb": rec.memory_mb, "disk_mb": rec.disk_mb,
             "env_vars": json.dumps(rec.env_vars), "metadata": json.dumps(rec.metadata),
-            "size_bytes": rec.size_bytes, "created_at": _ts(rec.created_at),
+            "size_bytes": rec.size_bytes, "restore_token": rec.restore_token, "created_at": _ts(rec.created_at),
         }
         await self._write(_insert_sql("snapshots", _SNAPSHOT_COLS), [values[c] for c in _SNAPSHOT_COLS])
 
@@ -398,7 +399,8 @@ class SQLiteStateStore:
             source_sandbox_id=row["source_sandbox_id"], template_id=row["template_id"], image=row["image"],
             layers=json.loads(row["layers"]), memory_digest=row["memory_digest"], cpu_count=row["cpu_count"],
             memory_mb=row["memory_mb"], disk_mb=row["disk_mb"], env_vars=json.loads(row["env_vars"]),
-            metadata=json.loads(row["metadata"]), size_bytes=row["size_bytes"], created_at=_dt(row["created_at"]),
+            metadata=json.loads(row["metadata"]), size_bytes=row["size_bytes"], restore_token=row["restore_token"],
+            created_at=_dt(row["created_at"]),
         )
 
     async def get_snapshot(self, id_or_name: str) -> SnapshotRecord | None:

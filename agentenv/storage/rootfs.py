@@ -95,6 +95,12 @@ class RootfsManager:
         umount_all_under(d)  # the overlay and anything a runtime mounted below the sandbox dir
         shutil.rmtree(d)
 
+    async def unmount(self, sandbox_id: str) -> None:
+        """Unmount the overlay but keep upper/ and the rest of the sandbox dir (pause, sealing)."""
+        d = self._dir(sandbox_id)
+        if d.exists():
+            await asyncio.to_thread(umount_all_under, d)
+
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Unmount and delete sandbox dirs (and stray mounts below them) whose id is not in `keep`."""
         return await asyncio.to_thread(self._cleanup_orphans, set(keep))

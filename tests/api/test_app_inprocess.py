@@ -20,8 +20,8 @@ from agentenv.api import ApiKeyAuth, setup_api
 from agentenv.api.app import decode_page_token, parse_metadata_filter
 from agentenv.config import Settings
 from agentenv.constants import CLIENT_ID, ENVD_VERSION
-from agentenv.errors import BadRequest, Conflict, NotFound, Unavailable, sandbox_not_found
-from agentenv.models import SandboxRecord, SandboxState, TemplateRecord
+from agentenv.errors import AgentEnvError, BadRequest, Conflict, NotFound, Unavailable, sandbox_not_found
+from agentenv.models import SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord
 from agentenv.state.sqlite import SQLiteStateStore
 
 TEMPLATE = TemplateRecord("tplbase0001", ["base"], 2, 1024, 4096, "base")
@@ -36,6 +36,8 @@ class MemoryOrchestrator:
         self.calls: list[tuple] = []
         self.clock = datetime(2026, 1, 1, tzinfo=timezone.utc)
         self.explode = False
+        self.snapshots: dict[str, SnapshotRecord] = {}
+        self.fork_failures: dict[int, AgentEnvError] = {}  # child index -> error for that fork
 
     def _now(self) -> datetime:
         self.clock += timedelta(seconds=1)  # distinct, increasing startedAt for paging tests
@@ -53,17 +55,25 @@ class MemoryOrchestrator:
                            network, env_vars))
         if self.explode:
             raise RuntimeError("secret internal detail")
-        if template not in (TEMPLATE.template_id, *TEMPLATE.aliases):
+        snap = self._find_snapshot(template, team_id)
+        if snap is None and template not in (TEMPLATE.template_id, *TEMPLATE.aliases):
             raise NotFound(f"Template {template!r} not found")
         if len(self.sandboxes) >= self.capacity:
             raise Unavailable("At capacity")
+        return self._new(team_id, timeout, snapshot_id=snap.snapshot_id if snap else None, metadata=metadata,
+                         env_vars=env_vars, auto_pause=auto_pause, auto_resume=auto_resume,
+                         allow_internet_access=allow_internet_access, network=network)
+
+    def _new(self, team_id, timeout, *, snapshot_id=None, parent_id=None, metadata=None, env_vars=None,
+             auto_pause=False, auto_resume=False, allow_internet_access=None, network=None) -> SandboxRecord:
         now = self._now()
         rec = SandboxRecord(
             sandbox_id="i" + secrets.token_hex(10), template_id=TEMPLATE.template_id, team_id=team_id,
             state=SandboxState.RUNNING, started_at=now, end_at=now + timedelta(seconds=timeout),
             cpu_count=2, memory_mb=1024, disk_mb=4096, envd_access_token=secrets.token_hex(8),
-            alias="base", metadata=dict(metadata), env_vars=dict(env_vars), auto_pause=auto_pause,
+            alias="base", metadata=dict(metadata or {}), env_vars=dict(env_vars or {}), auto_pause=auto_pause,
             auto_resume=auto_resume, allow_internet_access=allow_internet_access is not False, network=network,
+            snapshot_id=snapshot_id, parent_id=parent_id,
         )
         self.sandboxes[rec.sandbox_id] = rec
         return rec
@@ -98,11 +108,73 @@ class MemoryOrchestrator:
         self.sandboxes[sandbox_id] = rec
         return rec, False
 
-    async def pause_sandbox(self, sandbox_id, *, team_id):
+    async def pause_sandbox(self, sandbox_id, *, team_id, memory=True):
         rec = self._get(sandbox_id, team_id)
+        self.calls.append(("pause", sandbox_id, memory))
         if rec.state is SandboxState.PAUSED:
             raise Conflict(f"Sandbox {sandbox_id} is already paused")
-        self.sandboxes[sandbox_id] = replace(rec, state=SandboxState.PAUSED)
+        self.sandboxes[sandbox_id] = replace(rec, state=SandboxState.PAUSED,
+                                             pause_mode="full" if memory else "filesystem")
+
+    async def fork_sandbox(self, sandbox_id, *, team_id, count=None, timeout=None):
+        rec = self._get(sandbox_id, team_id)
+        self.calls.append(("fork", sandbox_id, count, timeout))
+        if rec.state is SandboxState.PAUSED:
+            raise Conflict(f"Sandbox {sandbox_id} is paused")
+        count = 1 if count is None else count
+        if not 1 <= count <= 16:
+            raise BadRequest("count out of range")
+        if len(self.sandboxes) + count > self.capacity:
+            raise Unavailable("At capacity")
+        out: list[SandboxRecord | AgentEnvError] = []
+        for i in range(count):
+            if i in self.fork_failures:
+                out.append(self.fork_failures[i])
+            else:
+                out.append(self._new(team_id, 15 if timeout is None else timeout, parent_id=sandbox_id,
+                                     metadata=rec.metadata))
+        return out
+
+    def _find_snapshot(self, id_or_name, team_id) -> SnapshotRecord | None:
+        for snap in self.snapshots.values():
+            if snap.team_id == team_id and id_or_name in (snap.snapshot_id, *snap.names):
+                return snap
+        return None
+
+    def _get_snapshot(self, id_or_name, team_id) -> SnapshotRecord:
+        snap = self._find_snapshot(id_or_name, team_id)
+        if snap is None:
+            raise NotFound(f"Snapshot {id_or_name!r} not found")
+        return snap
+
+    async def create_snapshot(self, sandbox_id, *, team_id, name=None, memory=True):
+        rec = self._get(sandbox_id, team_id)
+        self.calls.append(("snapshot", sandbox_id, name, memory))
+        if rec.state is SandboxState.PAUSED:
+            raise Conflict(f"Sandbox {sandbox_id} is paused")
+        snap = SnapshotRecord(
+            snapshot_id=f"snap-{secrets.token_hex(6)}:default", team_id=team_id,
+            names=[f"team/{name}:default"] if name else [], source_sandbox_id=sandbox_id,
+            template_id=rec.template_id, image="base", layers=["sha256:" + "a" * 64],
+            memory_digest=("sha256:" + "b" * 64) if memory else None, cpu_count=rec.cpu_count,
+            memory_mb=rec.memory_mb, disk_mb=rec.disk_mb, size_bytes=1234, created_at=self._now(),
+        )
+        self.snapshots[snap.snapshot_id] = snap
+        return snap
+
+    async def list_snapshots(self, *, team_id, sandbox_id=None, name=None):
+        self.calls.append(("list_snapshots", sandbox_id, name))
+        return [s for s in sorted(self.snapshots.values(), key=lambda s: s.created_at)
+                if s.team_id == team_id and (sandbox_id is None or s.source_sandbox_id == sandbox_id)
+                and (name is None or name in s.names)]
+
+    async def get_snapshot(self, snapshot_id_or_name, *, team_id):
+        return self._get_snapshot(snapshot_id_or_name, team_id)
+
+    async def delete_snapshot(self, snapshot_id_or_name, *, team_id):
+        snap = self._get_snapshot(snapshot_id_or_name, team_id)
+        self.calls.append(("delete_snapshot", snapshot_id_or_name))
+        del self.snapshots[snap.snapshot_id]
 
     async def list_templates(self):
         return [TEMPLATE]
@@ -302,6 +374,8 @@ async def test_get_detail_and_team_isolation(env):
         ("POST", "/connect", {"timeout": 10}),
         ("POST", "/pause", {}),
         ("POST", "/resume", {}),
+        ("POST", "/fork", {}),
+        ("POST", "/snapshots", {}),
     ],
 )
 async def test_unknown_sandbox_is_404(env, method, suffix, body):
@@ -347,6 +421,245 @@ async def test_pause_connect_resume_statuses(env):
     assert (await env.client.post(f"/sandboxes/{sid}/resume", json={"timeout": 30})).status_code == 201
     assert (await env.client.post(f"/sandboxes/{sid}/connect", json={})).status_code == 400  # v1: timeout required
     assert (await env.client.post(f"/sandboxes/{sid}/connect", json={"timeout": 9999})).status_code == 400
+
+
+# --- pause with memory flag, fork, snapshots -------------------------------------------------------
+
+
+def quote_segment(value: str) -> str:
+    """How the SDK puts a snapshot/template ID into a path (`encode_path_param`)."""
+    return urllib.parse.quote(value, safe="")
+
+
+@pytest.mark.parametrize("kw, memory", [
+    ({}, True),  # no body at all (SDK 2.0)
+    ({"json": {}}, True),
+    ({"json": {"memory": True}}, True),
+    ({"json": {"memory": False}}, False),
+    ({"json": {"requireHealthyGuest": True, "futureField": 1}}, True),  # accepted, ignored
+])
+async def test_pause_memory_flag(env, kw, memory):
+    sid = (await create(env))["sandboxID"]
+    r = await env.client.post(f"/sandboxes/{sid}/pause", **kw)
+    assert r.status_code == 204, r.text
+    assert env.orch.calls[-1] == ("pause", sid, memory)
+    r = await env.client.get(f"/sandboxes/{sid}")
+    assert r.json()["state"] == "paused"
+
+
+@pytest.mark.parametrize("body", [b'{"memory": "no"}', b'{"memory": 0}', b'{"requireHealthyGuest": "yes"}',
+                                  b"[true]", b"{bad"])
+async def test_pause_bad_body_is_400_and_does_not_pause(env, body):
+    sid = (await create(env))["sandboxID"]
+    r = await env.client.post(f"/sandboxes/{sid}/pause", data=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert env.orch.sandboxes[sid].state is SandboxState.RUNNING
+    assert not any(c[0] == "pause" for c in env.orch.calls)
+
+
+async def test_fork_count_two_and_child_shape(env):
+    src = await create(env, metadata={"k": "v"})
+    r = await env.client.post(f"/sandboxes/{src['sandboxID']}/fork", json={"count": 2, "timeout": 60})
+    assert r.status_code == 201, r.text
+    assert env.orch.calls[-1] == ("fork", src["sandboxID"], 2, 60)
+    results = r.json()
+    assert len(results) == 2 and all(set(item) == {"sandbox"} for item in results)
+    children = [item["sandbox"] for item in results]
+    assert len({c["sandboxID"] for c in children} | {src["sandboxID"]}) == 3
+    for child in children:
+        rec = env.orch.sandboxes[child["sandboxID"]]
+        assert child["envdAccessToken"] == rec.envd_access_token
+        assert child["envdVersion"] == ENVD_VERSION and child["clientID"] == CLIENT_ID
+        assert child["templateID"] == rec.template_id and child["domain"] is None
+        assert rec.parent_id == src["sandboxID"]
+        assert (await env.client.get(f"/sandboxes/{child['sandboxID']}")).status_code == 200
+
+
+@pytest.mark.parametrize("kw", [{}, {"json": {}}])
+async def test_fork_without_body_leaves_defaults_to_orchestrator(env, kw):
+    sid = (await create(env))["sandboxID"]
+    r = await env.client.post(f"/sandboxes/{sid}/fork", **kw)
+    assert r.status_code == 201, r.text
+    assert env.orch.calls[-1] == ("fork", sid, None, None)
+    assert len(r.json()) == 1
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b'{"count": 0}', "count"),
+    (b'{"count": -1}', "count"),
+    (b'{"count": 17}', "from 1 to 16"),
+    (b'{"count": "2"}', "count"),
+    (b'{"count": true}', "count"),
+    (b'{"count": 1.5}', "count"),
+    (b'{"timeout": -1}', "negative"),
+    (b'{"timeout": 3601}', "Timeout cannot be greater than 1 hours"),
+    (b'{"timeout": "60"}', "timeout"),
+    (b"[2]", "JSON object"),
+    (b'{"count": 2', "Malformed JSON"),
+])
+async def test_fork_bad_input_is_400_and_forks_nothing(env, body, fragment):
+    sid = (await create(env))["sandboxID"]
+    r = await env.client.post(f"/sandboxes/{sid}/fork", data=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert fragment in r.json()["message"]
+    assert list(env.orch.sandboxes) == [sid]
+    assert not any(c[0] == "fork" for c in env.orch.calls)
+
+
+async def test_fork_whole_call_errors(env):
+    sid = (await create(env))["sandboxID"]
+    assert (await env.other.post(f"/sandboxes/{sid}/fork", json={})).status_code == 404  # other team
+    await env.client.post(f"/sandboxes/{sid}/pause")
+    r = await env.client.post(f"/sandboxes/{sid}/fork", json={"count": 2})
+    assert r.status_code == 409
+    await env.client.post(f"/v2/sandboxes/{sid}/connect", json={})
+    env.orch.capacity = 2
+    r = await env.client.post(f"/sandboxes/{sid}/fork", json={"count": 2})
+    assert r.status_code == 503
+    assert list(env.orch.sandboxes) == [sid]
+
+
+async def test_fork_per_child_errors_are_listed(env):
+    sid = (await create(env))["sandboxID"]
+    env.orch.fork_failures = {1: Unavailable("no capacity for this fork"),
+                              2: AgentEnvError("guest agent gone", error_code="fork_envd_unresponsive")}
+    r = await env.client.post(f"/sandboxes/{sid}/fork", json={"count": 3})
+    assert r.status_code == 201
+    first, second, third = r.json()
+    assert set(first) == {"sandbox"} and first["sandbox"]["sandboxID"] in env.orch.sandboxes
+    assert second == {"error": {"code": 503, "message": "no capacity for this fork"}}
+    assert third == {"error": {"code": 500, "message": "guest agent gone", "error_code": "fork_envd_unresponsive"}}
+
+
+async def snapshot(env, sandbox_id: str, **body) -> dict:
+    r = await env.client.post(f"/sandboxes/{sandbox_id}/snapshots", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+async def test_create_snapshot_shape_and_options(env):
+    sid = (await create(env))["sandboxID"]
+    r = await env.client.post(f"/sandboxes/{sid}/snapshots")  # no body at all
+    assert r.status_code == 201, r.text
+    assert env.orch.calls[-1] == ("snapshot", sid, None, True)
+    info = r.json()
+    assert info["snapshotID"] in env.orch.snapshots and info["names"] == []
+    assert info["sourceSandboxID"] == sid and info["memory"] is True and info["sizeBytes"] == 1234
+    assert info["createdAt"].endswith("Z")
+    named = await snapshot(env, sid, name="my-snap", memory=False)
+    assert env.orch.calls[-1] == ("snapshot", sid, "my-snap", False)
+    assert named["names"] == ["team/my-snap:default"] and named["memory"] is False
+    assert env.orch.sandboxes[sid].state is SandboxState.RUNNING  # the source keeps running
+
+
+@pytest.mark.parametrize("body", [b'{"name": 5}', b'{"name": ""}', b'{"memory": "yes"}', b'{"name": ["a"]}',
+                                  b"[]", b"{"])
+async def test_create_snapshot_bad_input_is_400(env, body):
+    sid = (await create(env))["sandboxID"]
+    r = await env.client.post(f"/sandboxes/{sid}/snapshots", data=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    assert env.orch.snapshots == {}
+
+
+async def test_create_snapshot_errors(env):
+    sid = (await create(env))["sandboxID"]
+    assert (await env.other.post(f"/sandboxes/{sid}/snapshots", json={})).status_code == 404
+    await env.client.post(f"/sandboxes/{sid}/pause")
+    assert (await env.client.post(f"/sandboxes/{sid}/snapshots", json={})).status_code == 409
+    assert env.orch.snapshots == {}
+
+
+async def test_snapshot_get_delete_and_create_from_it(env):
+    sid = (await create(env))["sandboxID"]
+    snap = await snapshot(env, sid, name="keep")
+    snap_id = snap["snapshotID"]  # contains ':'; its name contains '/'
+    for ref in (snap_id, snap["names"][0]):
+        r = await env.client.get(f"/snapshots/{quote_segment(ref)}")
+        assert r.status_code == 200, (ref, r.text)
+        assert r.json() == snap
+    r = await env.client.post("/v2/sandboxes", json={"templateID": snap_id})
+    assert r.status_code == 201
+    assert env.orch.sandboxes[r.json()["sandboxID"]].snapshot_id == snap_id
+    assert (await env.other.get(f"/snapshots/{quote_segment(snap_id)}")).status_code == 404  # other team
+    assert (await env.other.delete(f"/snapshots/{quote_segment(snap_id)}")).status_code == 404
+    assert (await env.client.delete(f"/snapshots/{quote_segment(snap_id)}")).status_code == 204
+    assert (await env.client.get(f"/snapshots/{quote_segment(snap_id)}")).status_code == 404
+    assert (await env.client.delete(f"/snapshots/{quote_segment(snap_id)}")).status_code == 404
+    assert (await env.client.post("/v2/sandboxes", json={"templateID": snap_id})).status_code == 404
+
+
+async def test_delete_template_deletes_snapshots_only(env):
+    sid = (await create(env))["sandboxID"]
+    by_id = await snapshot(env, sid)
+    by_name = await snapshot(env, sid, name="named")
+    assert ":" in by_id["snapshotID"] and "/" in by_name["names"][0]
+    r = await env.client.delete(f"/templates/{quote_segment(by_id['snapshotID'])}")
+    assert r.status_code == 204, r.text
+    assert env.orch.calls[-1] == ("delete_snapshot", by_id["snapshotID"])
+    r = await env.client.delete(f"/templates/{quote_segment(by_name['names'][0])}")  # team%2Fnamed%3Adefault
+    assert r.status_code == 204, r.text
+    assert env.orch.calls[-1] == ("delete_snapshot", by_name["names"][0])
+    assert env.orch.snapshots == {}
+    assert (await env.client.delete(f"/templates/{quote_segment(by_id['snapshotID'])}")).status_code == 404
+    for builtin in ("base", TEMPLATE.template_id):
+        r = await env.client.delete(f"/templates/{builtin}")
+        assert r.status_code == 403 and builtin in r.json()["message"]
+    assert (await env.client.get("/templates")).json()[0]["templateID"] == TEMPLATE.template_id
+    r = await env.client.request("GET", f"/templates/{quote_segment(by_id['snapshotID'])}", validate=False)
+    assert r.status_code == 405
+
+
+async def test_list_snapshots_filters_and_paging(env):
+    a = (await create(env))["sandboxID"]
+    b = (await create(env))["sandboxID"]
+    made = [(await snapshot(env, sid, name=f"s{i}"))["snapshotID"] for i, sid in enumerate([a, b, a, b, a])]
+    ids = lambda r: [s["snapshotID"] for s in r.json()]  # noqa: E731
+    r = await env.client.get("/snapshots")
+    assert r.status_code == 200 and ids(r) == made and "X-Next-Token" not in r.headers
+    assert ids(await env.client.get("/snapshots", params={"sandboxID": a})) == made[0::2]
+    assert env.orch.calls[-1] == ("list_snapshots", a, None)
+    assert ids(await env.client.get("/snapshots", params={"name": "team/s1:default"})) == [made[1]]
+    assert env.orch.calls[-1] == ("list_snapshots", None, "team/s1:default")
+    assert ids(await env.client.get("/snapshots", params={"sandboxID": "inotthere"})) == []
+    assert (await env.other.get("/snapshots")).json() == []
+    seen: list[str] = []
+    token = None
+    pages = 0
+    while True:
+        params = {"limit": "2", **({"nextToken": token} if token else {})}
+        r = await env.client.get("/snapshots", params=params)
+        assert r.status_code == 200
+        seen += ids(r)
+        pages += 1
+        token = r.headers.get("X-Next-Token")
+        if not token:
+            break
+        decode_page_token(token)
+    assert pages == 3 and seen == made
+
+
+async def test_list_snapshots_ties_on_created_at_are_ordered_by_id(env):
+    sid = (await create(env))["sandboxID"]
+    made = [(await snapshot(env, sid))["snapshotID"] for _ in range(4)]
+    same = env.orch.snapshots[made[0]].created_at
+    for snap_id in made:
+        env.orch.snapshots[snap_id] = replace(env.orch.snapshots[snap_id], created_at=same)
+    seen: list[str] = []
+    token = None
+    while True:
+        r = await env.client.get("/snapshots", params={"limit": "1", **({"nextToken": token} if token else {})})
+        seen += [s["snapshotID"] for s in r.json()]
+        token = r.headers.get("X-Next-Token")
+        if not token:
+            break
+    assert seen == sorted(made)
+
+
+@pytest.mark.parametrize("params", [{"limit": "0"}, {"limit": "101"}, {"limit": "x"}, {"nextToken": "!!garbage"}])
+async def test_list_snapshots_bad_query_is_400(env, params):
+    r = await env.client.get("/snapshots", params=params)
+    assert r.status_code == 400
+    assert not any(c[0] == "list_snapshots" for c in env.orch.calls)
 
 
 # --- list: filters and paging ---------------------------------------------------------------------
@@ -468,3 +781,46 @@ async def test_e2b_sdk_control_plane_round_trip(env):
     assert await AsyncSandbox.kill(sbx.sandbox_id, **opts) is False  # 404 JSON -> False, not a crash
     await other.kill()
     assert env.orch.sandboxes == {}
+
+
+
+async def test_e2b_sdk_pause_fork_snapshot_calls(env):
+    from e2b import AsyncSandbox
+    from e2b.exceptions import SandboxException, SandboxNotFoundException
+
+    opts = dict(api_key=env.client.api_key, api_url=env.client.base_url, sandbox_url=env.client.base_url)
+    sbx = await AsyncSandbox.create("base", timeout=120, **opts)
+    sid = sbx.sandbox_id
+
+    forks = await sbx.fork(count=2, timeout=60)
+    assert len(forks) == 2 and all(isinstance(f, AsyncSandbox) for f in forks)
+    assert all(env.orch.sandboxes[f.sandbox_id].parent_id == sid for f in forks)
+    env.orch.fork_failures = {0: Unavailable("busy")}
+    [failed] = await AsyncSandbox.fork(sid, **opts)
+    assert isinstance(failed, Exception)
+    env.orch.fork_failures = {}
+    with pytest.raises(SandboxException):
+        await sbx.fork(count=17)  # allowed by the SDK (<= 20), above this server's maximum: 400
+
+    info = await sbx.create_snapshot("sdk-snap", mode="filesystem")
+    assert env.orch.calls[-1] == ("snapshot", sid, "sdk-snap", False)
+    assert info.snapshot_id in env.orch.snapshots and info.names == ["team/sdk-snap:default"]
+    await sbx.create_snapshot()
+    pager = AsyncSandbox.list_snapshots(sandbox_id=sid, limit=1, **opts)
+    listed = []
+    while pager.has_next:
+        listed += [s.snapshot_id for s in await pager.next_items()]
+    assert listed[0] == info.snapshot_id and len(listed) == 2
+    assert await AsyncSandbox.delete_snapshot(info.names[0], **opts) is True  # name with '/' and ':'
+    assert await AsyncSandbox.delete_snapshot(info.snapshot_id, **opts) is False
+
+    assert await sbx.pause(mode="filesystem") is True
+    assert env.orch.calls[-1] == ("pause", sid, False)
+    assert await sbx.pause() is False  # 409: already paused
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.create_snapshot("inotthere", **opts)
+    with pytest.raises(SandboxNotFoundException):
+        await AsyncSandbox.fork("inotthere", **opts)
+    for f in forks:
+        await f.kill()
+    await AsyncSandbox.kill(sid, **opts)

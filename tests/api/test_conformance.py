@@ -305,3 +305,210 @@ def test_kill(call, sandboxes):
     assert call("POST", f"/sandboxes/{sid}/timeout", json={"timeout": 30}).status_code == 404
     assert sid not in call.all_ids()
     assert call.ids(metadata=metadata_param(OURS)) == [sandboxes[0]["sandboxID"]]
+
+
+# --- issue 3: pause with memory flag, fork, snapshots ------------------------------------------------
+
+
+def quote_segment(value: str) -> str:
+    """How the SDKs put a snapshot/template ID or name into a path (one segment, '/' and ':' encoded)."""
+    return urllib.parse.quote(value, safe="")
+
+
+class Tracked:
+    """Sandboxes and snapshots created by the issue-3 tests; all removed on teardown."""
+
+    def __init__(self, call: Calls):
+        self.call = call
+        self.sandboxes: list[str] = []
+        self.snapshots: list[str] = []
+
+    def create(self, template: str = TEMPLATE, **extra) -> dict:
+        r = self.call("POST", "/v2/sandboxes",
+                      json={"templateID": template, "timeout": SANDBOX_TIMEOUT, "metadata": {**OURS, "issue": "3"},
+                            "envVars": {}, **extra})
+        assert r.status_code == 201, r.text
+        self.sandboxes.append(r.json()["sandboxID"])
+        return r.json()
+
+    def snapshot(self, sandbox_id: str, **body) -> dict:
+        r = self.call("POST", f"/sandboxes/{sandbox_id}/snapshots", json=body)
+        assert r.status_code == 201, r.text
+        self.snapshots.append(r.json()["snapshotID"])
+        return r.json()
+
+    def fork(self, sandbox_id: str, body: dict):
+        """POST /fork; any sandbox a 201 reports is tracked before the caller asserts anything."""
+        r = self.call("POST", f"/sandboxes/{sandbox_id}/fork", json=body)
+        if r.status_code == 201:
+            self.sandboxes += [item["sandbox"]["sandboxID"] for item in r.json() if "sandbox" in item]
+        return r
+
+    def state(self, sandbox_id: str) -> str:
+        r = self.call("GET", f"/sandboxes/{sandbox_id}")
+        assert r.status_code == 200, r.text
+        return r.json()["state"]
+
+    def cleanup(self) -> None:
+        for sid in self.sandboxes:
+            self.call("DELETE", f"/sandboxes/{sid}")  # 204, or 404 if a test killed it
+        for snap_id in self.snapshots:
+            self.call("DELETE", f"/snapshots/{quote_segment(snap_id)}")  # 204, or 404 if a test deleted it
+
+
+@pytest.fixture(scope="module")
+def tracked(call):
+    t = Tracked(call)
+    try:
+        yield t
+    finally:
+        t.cleanup()
+
+
+def test_pause_twice_list_and_connect_resumes(call, tracked):
+    sid = tracked.create()["sandboxID"]
+    r = call("POST", f"/sandboxes/{sid}/pause")  # no body, as SDK 2.0 sends it
+    assert r.status_code == 204, r.text
+    r = call("POST", f"/sandboxes/{sid}/pause", json={})
+    assert r.status_code == 409
+    assert "paused" in r.json()["message"]
+    assert tracked.state(sid) == "paused"
+    md = metadata_param({**OURS, "issue": "3"})
+    assert sid in call.ids(metadata=md, state="paused")
+    assert sid not in call.ids(metadata=md, state="running")
+    r = call("POST", f"/v2/sandboxes/{sid}/connect", json={"timeout": SANDBOX_TIMEOUT})
+    assert r.status_code == 201, r.text
+    assert r.json()["sandboxID"] == sid
+    assert tracked.state(sid) == "running"
+    r = call("POST", f"/v2/sandboxes/{sid}/connect", json={"timeout": SANDBOX_TIMEOUT})
+    assert r.status_code == 200  # running again: plain connect
+
+
+def test_filesystem_only_pause_and_resume(call, tracked):
+    sid = tracked.create()["sandboxID"]
+    r = call("POST", f"/sandboxes/{sid}/pause", json={"memory": False, "requireHealthyGuest": False})
+    assert r.status_code == 204, r.text
+    assert tracked.state(sid) == "paused"
+    assert call("POST", f"/sandboxes/{sid}/pause", json={"memory": False}).status_code == 409
+    r = call("POST", f"/v2/sandboxes/{sid}/connect", json={"timeout": SANDBOX_TIMEOUT})
+    assert r.status_code == 201, r.text
+    assert tracked.state(sid) == "running"
+
+
+def test_pause_bad_body_is_400(call, tracked):
+    sid = tracked.create()["sandboxID"]
+    r = call("POST", f"/sandboxes/{sid}/pause", json={"memory": "no"})
+    assert r.status_code == 400
+    assert tracked.state(sid) == "running"
+
+
+@pytest.fixture(scope="module")
+def fork_source(tracked) -> dict:
+    return tracked.create()
+
+
+def test_fork_two(call, tracked, fork_source):
+    sid = fork_source["sandboxID"]
+    before = call("GET", f"/sandboxes/{sid}").json()
+    r = tracked.fork(sid, {"count": 2, "timeout": SANDBOX_TIMEOUT})
+    assert r.status_code == 201, r.text
+    results = r.json()
+    assert len(results) == 2
+    assert all("sandbox" in item and "error" not in item for item in results), results
+    children = [item["sandbox"] for item in results]
+    assert len({c["sandboxID"] for c in children} | {sid}) == 3
+    for child in children:
+        assert child["envdVersion"] == ENVD_VERSION and child["clientID"] == CLIENT_ID
+        assert child["envdAccessToken"]
+        d = call("GET", f"/sandboxes/{child['sandboxID']}")
+        assert d.status_code == 200, d.text
+        assert d.json()["state"] == "running"
+        lifetime = (ts(d.json()["endAt"]) - ts(d.json()["startedAt"])).total_seconds()
+        assert SANDBOX_TIMEOUT - 10 <= lifetime <= SANDBOX_TIMEOUT + 10
+    after = call("GET", f"/sandboxes/{sid}").json()
+    assert after["state"] == "running" and after["endAt"] == before["endAt"]  # source keeps ID and expiry
+    for child in children:
+        assert call("DELETE", f"/sandboxes/{child['sandboxID']}").status_code == 204
+
+
+@pytest.mark.parametrize("body", [{"count": 0}, {"count": 1000}, {"count": "2"}, {"timeout": -1},
+                                  {"timeout": 100000000}])
+def test_fork_bad_input_is_400_and_forks_nothing(call, tracked, fork_source, body):
+    before = call.all_ids()
+    r = tracked.fork(fork_source["sandboxID"], body)
+    assert r.status_code == 400, r.text
+    assert call.all_ids() == before
+
+
+def test_fork_unknown_is_404(call):
+    r = call("POST", f"/sandboxes/inosuchsandbox{RUN}/fork", json={})
+    assert r.status_code == 404
+
+
+def test_fork_of_paused_sandbox_is_409(call, tracked):
+    sid = tracked.create()["sandboxID"]
+    assert call("POST", f"/sandboxes/{sid}/pause", json={}).status_code == 204
+    before = call.all_ids()
+    r = tracked.fork(sid, {"count": 1})
+    assert r.status_code == 409, r.text
+    assert call.all_ids() == before
+    assert tracked.state(sid) == "paused"
+
+
+def test_snapshot_list_create_from_delete(call, tracked):
+    sid = tracked.create()["sandboxID"]
+    snap = tracked.snapshot(sid, name=f"conformance-{RUN}")
+    snap_id = snap["snapshotID"]
+    assert snap_id and isinstance(snap["names"], list) and snap["names"]
+    assert tracked.state(sid) == "running"  # the source keeps running
+
+    r = call("GET", "/snapshots", params={"sandboxID": sid})
+    assert r.status_code == 200
+    assert [s["snapshotID"] for s in r.json()] == [snap_id]
+    r = call("GET", "/snapshots", params={"name": snap["names"][0]})
+    assert r.status_code == 200 and snap_id in [s["snapshotID"] for s in r.json()]
+    seen: list[str] = []
+    token = None
+    while True:  # walk every page of the unfiltered list
+        r = call("GET", "/snapshots", params={"limit": "1", **({"nextToken": token} if token else {})})
+        assert r.status_code == 200 and len(r.json()) <= 1
+        seen += [s["snapshotID"] for s in r.json()]
+        token = r.headers.get("X-Next-Token")
+        if not token:
+            break
+    assert snap_id in seen and len(seen) == len(set(seen))
+    r = call("GET", f"/snapshots/{quote_segment(snap_id)}")
+    assert r.status_code == 200 and r.json()["snapshotID"] == snap_id
+
+    child = tracked.create(template=snap_id)
+    assert call("GET", f"/sandboxes/{child['sandboxID']}").json()["state"] == "running"
+
+    assert call("DELETE", f"/snapshots/{quote_segment(snap_id)}").status_code == 204
+    assert call("GET", f"/snapshots/{quote_segment(snap_id)}").status_code == 404
+    assert call("DELETE", f"/snapshots/{quote_segment(snap_id)}").status_code == 404
+    assert call("GET", "/snapshots", params={"sandboxID": sid}).json() == []
+    assert call("GET", f"/sandboxes/{child['sandboxID']}").status_code == 200  # unaffected
+
+
+def test_filesystem_snapshot_and_delete_through_templates_route(call, tracked):
+    sid = tracked.create()["sandboxID"]
+    snap = tracked.snapshot(sid, memory=False)
+    child = tracked.create(template=snap["snapshotID"])
+    assert call("GET", f"/sandboxes/{child['sandboxID']}").json()["state"] == "running"
+    r = call("DELETE", f"/templates/{quote_segment(snap['snapshotID'])}")  # what Sandbox.delete_snapshot calls
+    assert r.status_code == 204, r.text
+    assert call("DELETE", f"/templates/{quote_segment(snap['snapshotID'])}").status_code == 404
+    assert call("GET", f"/snapshots/{quote_segment(snap['snapshotID'])}").status_code == 404
+
+
+def test_snapshot_errors(call, tracked):
+    assert call("POST", f"/sandboxes/inosuchsandbox{RUN}/snapshots", json={}).status_code == 404
+    assert call("GET", f"/snapshots/{quote_segment('no-such/snapshot:' + RUN)}").status_code == 404
+    assert call("DELETE", f"/snapshots/nosuchsnapshot{RUN}").status_code == 404
+    assert call("DELETE", f"/templates/{quote_segment('no-such/template:' + RUN)}").status_code == 404
+    assert call("DELETE", f"/templates/{TEMPLATE}").status_code in (400, 403)
+    assert call("GET", "/snapshots", params={"limit": "0"}).status_code == 400
+    assert call("GET", "/snapshots", params={"nextToken": "%%%"}).status_code == 400
+    sid = tracked.create()["sandboxID"]
+    assert call("POST", f"/sandboxes/{sid}/snapshots", json={"memory": "yes"}).status_code == 400
+    assert call("GET", "/snapshots", params={"sandboxID": sid}).json() == []

@@ -24,6 +24,12 @@ EXPECTED = {
     ("post", "/v2/sandboxes/{sandboxID}/connect"): {"200", "201"},
     ("post", "/sandboxes/{sandboxID}/resume"): {"201"},
     ("post", "/sandboxes/{sandboxID}/pause"): {"204"},
+    ("post", "/sandboxes/{sandboxID}/fork"): {"201"},
+    ("post", "/sandboxes/{sandboxID}/snapshots"): {"201"},
+    ("get", "/snapshots"): {"200"},
+    ("get", "/snapshots/{snapshotID}"): {"200"},
+    ("delete", "/snapshots/{snapshotID}"): {"204"},
+    ("delete", "/templates/{templateID}"): {"204"},
     ("get", "/templates"): {"200"},
     ("get", "/health"): {"200"},
     ("get", "/openapi.yaml"): {"200"},
@@ -90,6 +96,25 @@ def test_list_paging_contract(doc):
     assert params["limit"]["schema"]["minimum"] == 1 and params["limit"]["schema"]["maximum"] == 100
     assert params["state"]["explode"] is False
     assert "X-Next-Token" in op["responses"]["200"]["headers"]
+
+
+def test_snapshot_list_paging_contract(doc):
+    op = doc["paths"]["/snapshots"]["get"]
+    params = {resolve(doc, p)["name"]: resolve(doc, p) for p in op["parameters"]}
+    assert set(params) == {"sandboxID", "name", "limit", "nextToken"}
+    assert params["limit"]["schema"]["minimum"] == 1 and params["limit"]["schema"]["maximum"] == 100
+    assert "X-Next-Token" in op["responses"]["200"]["headers"]
+
+
+def test_snapshot_and_fork_schemas(doc):
+    schemas = doc["components"]["schemas"]
+    assert schemas["SnapshotInfo"]["required"] == ["snapshotID", "names"]
+    assert set(schemas["SandboxForkResult"]["properties"]) == {"sandbox", "error"}
+    assert set(schemas["SandboxForkRequest"]["properties"]) == {"timeout", "count"}
+    assert set(schemas["SandboxSnapshotRequest"]["properties"]) == {"name", "memory"}
+    assert set(schemas["SandboxPauseRequest"]["properties"]) == {"memory", "requireHealthyGuest"}
+    fork = doc["paths"]["/sandboxes/{sandboxID}/fork"]["post"]["responses"]["201"]
+    assert fork["content"]["application/json"]["schema"]["type"] == "array"
 
 
 def test_wire_field_names(doc):

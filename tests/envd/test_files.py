@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import os
 import pwd
-import time
 
 import pytest
 import requests
@@ -129,17 +127,35 @@ def test_range_and_raw_headers(envd, workdir):
     r = requests.get(url, params={"path": path}, headers=envd.headers(Range="bytes=2-5"), timeout=10)
     assert r.status_code == 206 and r.content == b"2345"
     assert r.headers["Content-Range"] == "bytes 2-5/10"
+    assert r.headers["Content-Disposition"] == 'inline; filename="range.txt"'
     r = requests.get(url, params={"path": path}, headers=envd.headers(Range="bytes=-3"), timeout=10)
     assert r.content == b"789"
     r = requests.get(url, params={"path": path}, headers=envd.headers(Range="bytes=20-"), timeout=10)
     assert r.status_code == 416
-    r = requests.get(url, params={"path": path}, headers=envd.headers(**{"Accept-Encoding": "gzip"}), timeout=10,
-                     stream=True)
-    assert r.headers.get("Content-Encoding") == "gzip"
-    assert gzip.decompress(r.raw.read()) == b"0123456789"
-    assert r.headers["Content-Disposition"] == 'inline; filename="range.txt"'
     r = requests.get(url, params={"path": f"{workdir}/nope"}, headers=envd.headers(), timeout=10)
     assert r.status_code == 404 and r.json() == {"code": 404, "message": f"path '{workdir}/nope' does not exist"}
+
+
+def test_download_gzip_negotiation(envd, workdir):
+    text = b"compressible line of text\n" * 20000
+    noise = os.urandom(200000)
+    for name, data in (("text.txt", text), ("noise.bin", noise)):
+        with open(f"{workdir}/{name}", "wb") as f:
+            f.write(data)
+    url = envd.url + "/files"
+    r = requests.get(url, params={"path": f"{workdir}/text.txt"}, stream=True, timeout=10,
+                     headers=envd.headers(**{"Accept-Encoding": "gzip"}))
+    assert r.headers.get("Content-Encoding") == "gzip"
+    raw = r.raw.read()
+    assert len(raw) < len(text) / 5 and gzip.decompress(raw) == text
+    # incompressible data is sent as is even when gzip is acceptable
+    r = requests.get(url, params={"path": f"{workdir}/noise.bin"}, stream=True, timeout=10,
+                     headers=envd.headers(**{"Accept-Encoding": "gzip"}))
+    assert "Content-Encoding" not in r.headers and r.raw.read() == noise
+    # identity when gzip is not acceptable
+    r = requests.get(url, params={"path": f"{workdir}/text.txt"}, stream=True, timeout=10,
+                     headers=envd.headers(**{"Accept-Encoding": "identity"}))
+    assert "Content-Encoding" not in r.headers and r.raw.read() == text
 
 
 def test_signed_urls(sbx, envd, temp_user, workdir):

@@ -197,3 +197,44 @@ def test_server_never_closes_idle_connection(envd):
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         s.settimeout(5)
         assert s.recv(4096).startswith(b"HTTP/1.1 204")
+
+
+def _tcp_states_for_local_port(port: int) -> list[str]:
+    """TCP states (hex codes of /proc/net/tcp*) of sockets whose local port is `port`, listeners excluded."""
+    states = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                    if local_port == port and fields[3] != "0A":  # 0A = LISTEN
+                        states.append(fields[3])
+        except FileNotFoundError:
+            continue
+    return states
+
+
+def test_envd_never_closes_first(envd_factory, temp_user):
+    """After clients hang up, envd's side must leave no TIME_WAIT/FIN_WAIT (gVisor refuses to checkpoint)."""
+    server = envd_factory({"AGENTENV_ENVD_MAX_UPLOAD": "1000"})
+    port = int(server.url.rsplit(":", 1)[1])
+    assert requests.post(server.url + "/init", json={"defaultUser": temp_user.name}, timeout=5).status_code == 204
+    with requests.Session() as s:
+        assert s.get(server.url + "/health", timeout=5).status_code == 204
+        assert s.post(server.url + "/filesystem.Filesystem/Stat", json={"path": "/nope"}, timeout=5).status_code == 404
+        r = s.post(server.url + "/files", params={"path": "big"}, data=iter([b"x" * 800, b"y" * 800]), timeout=5,
+                   headers={"Content-Type": "application/octet-stream"})
+        assert r.status_code == 413
+        assert s.get(server.url + "/does-not-exist", timeout=5).status_code == 404
+        # a stream the client abandons half-way
+        r = s.post(server.url + "/process.Process/Start", stream=True, timeout=5,
+                   data=envelope({"process": {"cmd": "/bin/bash", "args": ["-c", "echo x; sleep 2"]}}),
+                   headers={"Content-Type": "application/connect+json"})
+        r.raw.read(5)
+        r.close()
+        assert s.get(server.url + "/health", timeout=5).status_code == 204
+    time.sleep(0.5)
+    bad = [st for st in _tcp_states_for_local_port(port) if st in ("04", "05", "06", "0B")]  # FIN_WAIT1/2, TIME_WAIT, CLOSING
+    assert not bad, f"envd closed connections first (states {bad})"

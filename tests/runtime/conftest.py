@@ -136,11 +136,11 @@ class SandboxKit:
         return merged
 
     async def prepare(self, sandbox_id: str | None = None, *, memory_mb: int = 512, cpu_count: int = 1,
-                      upper_from: Path | None = None) -> Box:
+                      upper_from: Path | None = None, allow_internet: bool = False) -> Box:
         """Slot + rootfs + spec, not started. Registered for cleanup before anything can fail."""
         sandbox_id = sandbox_id or self.new_id()
         box_dir = self.settings.paths.sandbox_dir(sandbox_id)
-        slot = await self.net.allocate(sandbox_id, allow_internet=False)
+        slot = await self.net.allocate(sandbox_id, allow_internet=allow_internet)
         spec = SandboxSpec(sandbox_id=sandbox_id, rootfs=box_dir / "rootfs", tools_dir=self.tools, slot=slot,
                            bundle_dir=box_dir / "bundle", cpu_count=cpu_count, memory_mb=memory_mb,
                            args=["/usr/bin/python3", "/srv/guest_server.py", str(PORT)])
@@ -200,3 +200,51 @@ async def kit(settings: Settings):
         yield k
     finally:
         await k.close()
+
+
+@dataclass
+class Outside:
+    """A stand-in for "the internet": a netns of our own, routed from the root ns, with an HTTP server."""
+
+    ip: str
+    port: int
+
+
+@pytest.fixture
+def outside():
+    """netns `aetest-<rand>` + veth aetx<rand> (10.215.<n>.1/30 root side, .2 inside) + python http.server.
+
+    Torn down (server killed by PID, veth + netns deleted) even if the test fails.
+    """
+    if _missing():
+        pytest.skip(_missing())
+    tag = uuid.uuid4().hex[:4]
+    ns, veth = f"aetest-{tag}", f"aetx{tag}"
+    octet = int(tag[:2], 16)
+    root_ip, ext_ip = f"10.215.{octet}.1", f"10.215.{octet}.2"
+    proc = None
+    try:
+        run("ip", "netns", "add", ns)
+        run("ip", "link", "add", veth, "type", "veth", "peer", "name", "ext0", "netns", ns)
+        run("ip", "addr", "add", f"{root_ip}/30", "dev", veth)
+        run("ip", "link", "set", veth, "up")
+        run("ip", "-n", ns, "addr", "add", f"{ext_ip}/30", "dev", "ext0")
+        run("ip", "-n", ns, "link", "set", "ext0", "up")
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-m", "http.server", "8080",
+                                 "--bind", ext_ip], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection((ext_ip, 8080), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield Outside(ext_ip, 8080)
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait(timeout=10)
+        run("ip", "link", "del", veth, check=False)
+        run("ip", "netns", "del", ns, check=False)

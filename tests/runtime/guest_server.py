@@ -43,6 +43,13 @@ class Handler(BaseHTTPRequestHandler):
                 body = {"connected": False, "error": str(e)}
             finally:
                 s.close()
+        elif url.path == "/write":
+            try:
+                with open(q["path"][0], "w") as f:
+                    f.write("x")
+                body = {"written": True}
+            except OSError as e:
+                body = {"written": False, "error": str(e)}
         elif url.path == "/file":
             with open(q["path"][0]) as f:
                 body = {"content": f.read()}

@@ -5,21 +5,31 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import shutil
+import socket
 import statistics
 import time
-from pathlib import Path
 
 import pytest
 
 from agentenv import constants
+from agentenv.errors import RuntimeFailure
 from agentenv.network.manager import NetworkManager
 from agentenv.runtimes.gvisor import GVisorRuntime
 
-from .conftest import SandboxKit, http_get, is_mounted, run, tcp_reachable, wait_http
+from .conftest import Outside, SandboxKit, http_get, is_mounted, run, wait_http
 
 
 def report(msg: str) -> None:
     print(f"[measure] {msg}")
+
+
+def tcp_reachable_port(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def link_exists(ifname: str) -> bool:
@@ -52,7 +62,12 @@ async def test_start_http_stop_leaves_nothing(kit: SandboxKit):
     total_kb = int(next(line.split()[1] for line in meminfo.splitlines() if line.startswith("MemTotal:")))
     assert abs(total_kb - 384 * 1024) <= 384 * 1024 * 0.02, total_kb
     # the tools layer is mounted read-only
-    assert http_get(box.slot.host_ip, f"/file?path={constants.TOOLS_MOUNT}/../etc/hostname")  # path resolves
+    marker = f"tools of {box.sandbox_id}"
+    (kit.tools / "marker.txt").write_text(marker)
+    assert http_get(box.slot.host_ip, f"/file?path={constants.TOOLS_MOUNT}/marker.txt")["content"] == marker
+    res = http_get(box.slot.host_ip, f"/write?path={constants.TOOLS_MOUNT}/new.txt")
+    assert res["written"] is False and "Read-only" in res["error"], res
+    assert not (kit.tools / "new.txt").exists()
     assert cgroup_dirs(box.sandbox_id), "cgroups of the running sandbox should exist"
 
     await kit.destroy(box)
@@ -72,11 +87,13 @@ async def test_two_sandboxes_same_inner_ip_isolated(kit: SandboxKit):
     assert http_get(a.slot.host_ip, "/count")["count"] == 1
     assert http_get(a.slot.host_ip, "/count")["count"] == 2
     assert http_get(b.slot.host_ip, "/count")["count"] == 1
-    # each reaches itself through its own host address...
-    # ...but never the other sandbox, nor the host side of any slot.
-    for target in (b.slot.host_ip, b.slot.peer_ip, a.slot.peer_ip):
-        res = http_get(a.slot.host_ip, f"/connect?host={target}&port=49983&timeout=1")
-        assert res["connected"] is False, (target, res)
+    # Never the other sandbox, nor a host service listening on all addresses via any slot's host side.
+    with socket.create_server(("0.0.0.0", 0)) as host_srv:
+        host_port = host_srv.getsockname()[1]
+        assert tcp_reachable_port(a.slot.peer_ip, host_port)  # the listener itself works
+        for target, port in ((b.slot.host_ip, 49983), (b.slot.peer_ip, host_port), (a.slot.peer_ip, host_port)):
+            res = http_get(a.slot.host_ip, f"/connect?host={target}&port={port}&timeout=1")
+            assert res["connected"] is False, (target, res)
     res = http_get(b.slot.host_ip, f"/connect?host={a.slot.host_ip}&port=49983&timeout=1")
     assert res["connected"] is False, res
     # Killing one leaves the other untouched.
@@ -100,8 +117,9 @@ async def test_pause_resume(kit: SandboxKit):
     t_resume = time.monotonic() - t0
     report(f"pause {t_pause * 1e3:.0f} ms, resume {t_resume * 1e3:.0f} ms")
     assert await kit.rt.state(box.sandbox_id) == "running"
-    # The request sent while paused was queued (count 2); this one is the third.
-    assert http_get(box.slot.host_ip, "/count")["count"] == 3
+    # gVisor's netstack accepted the request sent while paused; it is served after resume, so
+    # the counter moved on by it (or not, if the client's close won the race) but never went back.
+    assert http_get(box.slot.host_ip, "/count")["count"] >= 2
 
 
 async def test_checkpoint_restore_into_two_new_slots(kit: SandboxKit):
@@ -164,32 +182,40 @@ async def test_checkpoint_restore_same_id_same_slot(kit: SandboxKit):
 async def test_cleanup_orphans_after_crash(kit: SandboxKit, settings):
     box, _ = await kit.start()
     # Simulated crash: forget every object; a fresh manager/runtime must find and remove it.
-    kit.boxes.remove(box)
+    # (The box stays registered with the kit so a failing assertion still cleans it up.)
     net2, rt2 = NetworkManager(settings), GVisorRuntime(settings)
+    found = net2.slot_for(box.sandbox_id)  # before any discovery: scans the kernel
+    assert found == box.slot
     await net2.setup_host()
-    found = net2.slot_for(box.sandbox_id)
-    assert found is not None and found.index == box.slot.index and found.host_ip == box.slot.host_ip
+    assert net2.slot_for(box.sandbox_id) == box.slot
     assert box.sandbox_id in await rt2.list_ids()
     # Only sandboxes of this data dir are touched; keep every other agentenv netns on the host.
     others = {n.removeprefix("agentenv-") for n in os.listdir("/run/netns") if n.startswith("agentenv-")}
     keep = (others | {b.sandbox_id for b in kit.boxes}) - {box.sandbox_id}
-    for sid in await rt2.list_ids():
-        if sid not in keep:
-            await rt2.stop(sid)
+    assert box.sandbox_id in await rt2.cleanup_orphans(keep)
     removed = await net2.cleanup_orphans(keep)
     assert box.sandbox_id in removed
     run("umount", str(box.rootfs), check=False)
+    shutil.rmtree(box.dir, ignore_errors=True)
     await assert_gone(kit, box)
 
 
 async def test_allocation_speed_and_release(kit: SandboxKit):
-    ids = [kit.new_id("alloc") for _ in range(20)]
     slots, times = [], []
     try:
-        for sid in ids:
+        for _ in range(10):
             t0 = time.monotonic()
-            slots.append(await kit.net.allocate(sid))
+            slots.append(await kit.net.allocate(kit.new_id("alloc")))
             times.append(time.monotonic() - t0)
+        t0 = time.monotonic()
+        parallel = await asyncio.gather(*[kit.net.allocate(kit.new_id("alloc")) for _ in range(20)],
+                                        return_exceptions=True)
+        t_par = time.monotonic() - t0
+        slots += [s for s in parallel if not isinstance(s, BaseException)]
+        errors = [e for e in parallel if isinstance(e, BaseException)]
+        assert not errors, errors
+        with pytest.raises(RuntimeFailure):
+            await kit.net.allocate(slots[0].sandbox_id)  # one slot per sandbox
         assert len({s.index for s in slots}) == len(slots)
         assert len({s.host_ip for s in slots}) == len(slots)
         nft = run("nft", "list", "set", "ip", "agentenv", "internet").stdout
@@ -200,7 +226,35 @@ async def test_allocation_speed_and_release(kit: SandboxKit):
             await kit.net.release(s)
         t_rel = (time.monotonic() - t0) / max(len(slots), 1)
     report(f"allocate median {statistics.median(times) * 1e3:.1f} ms, max {max(times) * 1e3:.1f} ms; "
-           f"release {t_rel * 1e3:.1f} ms each")
+           f"20 in parallel {t_par * 1e3:.0f} ms; release {t_rel * 1e3:.1f} ms each")
     for s in slots:
         assert not os.path.exists(s.netns_path) and not link_exists(s.veth_host)
     assert statistics.median(times) < 0.25
+
+
+async def test_internet_access_switch(kit: SandboxKit, outside: Outside):
+    """Guest -> outside works only for slots in the root-ns `internet` set (forward + masquerade)."""
+    (a, _), (b, _) = await asyncio.gather(kit.start(allow_internet=True), kit.start(allow_internet=False))
+
+    def reach(box) -> bool:
+        res = http_get(box.slot.host_ip, f"/connect?host={outside.ip}&port={outside.port}&timeout=1")
+        return res["connected"]
+
+    assert reach(a) is True
+    assert reach(b) is False
+    b.slot = await kit.net.set_internet(b.slot, True)
+    a.slot = await kit.net.set_internet(a.slot, False)
+    assert kit.net.slot_for(b.sandbox_id).allow_internet is True
+    assert reach(b) is True
+    assert reach(a) is False
+
+
+async def test_failed_start_cleans_up(kit: SandboxKit):
+    box = await kit.prepare()
+    box.spec.args = ["/does/not/exist"]
+    with pytest.raises(RuntimeFailure):
+        await kit.rt.start(box.spec)
+    assert box.sandbox_id not in await kit.rt.list_ids()
+    assert cgroup_dirs(box.sandbox_id) == []
+    await kit.destroy(box)
+    await assert_gone(kit, box)

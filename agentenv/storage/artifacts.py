@@ -1,0 +1,177 @@
+"""Node-local cache of snapshot artifacts, and their publication to the snapshot store.
+
+Artifacts are content-addressed by the sha256 of their tar stream:
+- layers: a sealed writable upper. Kept extracted at `<data>/layers/<digest>/` (used directly as an
+  overlay lower by every sandbox whose chain includes it) and as a tar in `<data>/cache/layers/`.
+- memory: a runtime checkpoint image. Kept extracted at `<data>/memory/<digest>/` (the image path a
+  restore reads) and as a tar in `<data>/cache/memory/`.
+
+`publish` uploads a snapshot's blobs to the configured SnapshotStore and writes its manifest last;
+`ensure_*` pulls what a node lacks from the store on demand, so a node with an empty data dir can
+start a sandbox from a snapshot that exists only in the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from agentenv.errors import NotFound
+from agentenv.models import SnapshotRecord
+from agentenv.storage import layers as layer_tar
+from agentenv.storage.snapshots import LocalSnapshotStore, SnapshotStore
+
+log = logging.getLogger("agentenv.storage.artifacts")
+
+
+def _empty_upper(upper: Path) -> bool:
+    """An upper with nothing but the tools mount point is no change at all."""
+    for entry in os.scandir(upper):
+        if entry.name == ".agentenv" and entry.is_dir() and not os.listdir(entry.path):
+            continue
+        return False
+    return True
+
+
+class ArtifactCache:
+    def __init__(self, data_dir: Path, store: SnapshotStore) -> None:
+        self.root = Path(data_dir)
+        self.store = store
+        self.local = LocalSnapshotStore(self.root / "cache")  # tars, by kind/digest
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def layer_dir(self, digest: str) -> Path:
+        return self.root / "layers" / digest
+
+    def memory_dir(self, digest: str) -> Path:
+        return self.root / "memory" / digest
+
+    # ---------------------------------------------------------------- sealing
+
+    async def seal_upper(self, upper: Path) -> str | None:
+        """Turn a (no longer mounted) upper dir into a layer; returns its digest, None if empty.
+
+        The upper directory itself becomes the extracted layer (a rename, no copy).
+        """
+        if _empty_upper(upper):
+            shutil.rmtree(upper, ignore_errors=True)
+            return None
+        tmp_dir = self.root / "cache" / ".tmp"
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
+        os.close(fd)
+        try:
+            digest, _size = await layer_tar.pack(upper, Path(tmp))
+            async with self._locks[digest]:
+                await self.local.put_blob("layers", digest, Path(tmp))
+                dst = self.layer_dir(digest)
+                if dst.exists():
+                    shutil.rmtree(upper, ignore_errors=True)
+                else:
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(upper, dst)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return digest
+
+    async def seal_memory(self, image_dir: Path) -> str:
+        """Turn a checkpoint image dir into a memory artifact; returns its digest."""
+        tmp_dir = self.root / "cache" / ".tmp"
+        tmp_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
+        os.close(fd)
+        try:
+            digest, _size = await layer_tar.pack(image_dir, Path(tmp))
+            async with self._locks[digest]:
+                await self.local.put_blob("memory", digest, Path(tmp))
+                dst = self.memory_dir(digest)
+                if dst.exists():
+                    shutil.rmtree(image_dir, ignore_errors=True)
+                else:
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(image_dir, dst)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+        return digest
+
+    # ---------------------------------------------------------------- fetching
+
+    async def _ensure(self, kind: str, digest: str, dst: Path) -> Path:
+        if dst.exists():
+            return dst
+        async with self._locks[digest]:
+            if dst.exists():
+                return dst
+            if not await self.local.has_blob(kind, digest):
+                if not await self.store.has_blob(kind, digest):
+                    raise NotFound(f"{kind[:-1] if kind.endswith('s') else kind} {digest[:12]} is missing "
+                                   "from the snapshot store")
+                tmp = self.local._blob(kind, digest)
+                log.info("downloading %s/%s from the %s snapshot store", kind, digest[:12], self.store.name)
+                await self.store.get_blob(kind, digest, tmp)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            await layer_tar.unpack(self.local._blob(kind, digest), dst)
+        return dst
+
+    async def ensure_layer(self, digest: str) -> Path:
+        return await self._ensure("layers", digest, self.layer_dir(digest))
+
+    async def ensure_memory(self, digest: str) -> Path:
+        return await self._ensure("memory", digest, self.memory_dir(digest))
+
+    # ---------------------------------------------------------------- publication
+
+    async def publish(self, snap: SnapshotRecord) -> None:
+        """Upload blobs (idempotent, retried by the store client), then the manifest, last."""
+        blobs = [("layers", d) for d in snap.layers]
+        if snap.memory_digest:
+            blobs.append(("memory", snap.memory_digest))
+        for kind, digest in blobs:
+            if self.store is not self.local and not await self.store.has_blob(kind, digest):
+                await self.store.put_blob(kind, digest, self.local._blob(kind, digest))
+        await self.store.put_manifest(snap.snapshot_id, snap.to_manifest())
+
+    async def find_manifest(self, id_or_name: str) -> SnapshotRecord | None:
+        m = await self.store.get_manifest(id_or_name) if _plain(id_or_name) else None
+        if m is None:
+            named = [x for x in await self.store.list_manifests() if id_or_name in x.get("names", [])]
+            named.sort(key=lambda x: x.get("createdAt", ""))
+            m = named[-1] if named else None
+        return SnapshotRecord.from_manifest(m) if m else None
+
+    # ---------------------------------------------------------------- garbage collection
+
+    async def gc(self, layers_in_use: set[str], memory_in_use: set[str]) -> dict[str, int]:
+        """Remove local artifacts nothing references (blobs in the store are handled by delete)."""
+        removed = {"layers": 0, "memory": 0}
+        for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
+                                     ("memory", memory_in_use, self.memory_dir)):
+            base = self.root / kind
+            digests = {p.name for p in base.iterdir() if not p.name.startswith(".")} if base.exists() else set()
+            digests |= set(await self.local.list_blobs(kind))
+            for d in digests - in_use:
+                async with self._locks[d]:
+                    shutil.rmtree(dir_of(d), ignore_errors=True)
+                    await self.local.delete_blob(kind, d)
+                    removed[kind] += 1
+        return removed
+
+    async def delete_from_store(self, snap: SnapshotRecord, others: list[SnapshotRecord]) -> None:
+        """Delete a snapshot's manifest first (it disappears at once), then blobs no other uses."""
+        await self.store.delete_manifest(snap.snapshot_id)
+        used_layers = {d for o in others for d in o.layers}
+        used_mem = {o.memory_digest for o in others if o.memory_digest}
+        for d in snap.layers:
+            if d not in used_layers:
+                await self.store.delete_blob("layers", d)
+        if snap.memory_digest and snap.memory_digest not in used_mem:
+            await self.store.delete_blob("memory", snap.memory_digest)
+
+
+def _plain(name: str) -> bool:
+    return bool(name) and "/" not in name and not name.startswith(".")
