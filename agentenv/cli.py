@@ -321,6 +321,10 @@ def gc(data_dir: str | None) -> None:
     settings = _settings(data_dir)
 
     async def go():
+        from agentenv.runtimes._reaper import become_subreaper, reap_forever
+
+        become_subreaper()
+        reaper = asyncio.create_task(reap_forever())
         c = await build(settings)
         try:
             from agentenv.models import SandboxState
@@ -331,8 +335,11 @@ def gc(data_dir: str | None) -> None:
                     keep.add(rec.sandbox_id)
                 else:
                     await c.store.delete_sandbox(rec.sandbox_id)
-            return await c.orchestrator.gc(keep)
+            removed = await c.orchestrator.gc(keep)
+            removed["cgroups"] = await c.orchestrator.runtime.cleanup_orphans(keep)
+            return removed
         finally:
+            reaper.cancel()
             await c.store.close()
 
     with server_lock(settings):

@@ -95,6 +95,10 @@ def _print_banner(settings: Settings, api_key: str | None) -> None:
 
 
 async def serve(settings: Settings, *, progress=None) -> None:
+    from agentenv.runtimes._reaper import become_subreaper, reap_forever
+
+    become_subreaper()
+    reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
     c = await build(settings)
     # Images first: the first create must not pay for a debootstrap.
     await c.images.ensure_base(progress)
@@ -145,6 +149,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
         await c.proxy.close()
         await runner.cleanup()
         await c.store.close()
+        reaper.cancel()
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -89,7 +89,7 @@ def free_port() -> int:
 def run_gc(agentenv: str, data_dir: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, AGENTENV_DATA_DIR=str(data_dir))
     return subprocess.run(
-        [agentenv, "gc"], env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
+        [agentenv, "gc"], env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
     )
 
 

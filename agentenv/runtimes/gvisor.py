@@ -17,6 +17,7 @@ import glob
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def build_oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     if not spec.args:
         raise RuntimeFailure("SandboxSpec.args is empty: nothing to run as the sandbox's first process")
     mem = spec.memory_mb * 1024 * 1024
-    return {
+    oci: dict[str, Any] = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
@@ -106,6 +107,7 @@ def build_oci_spec(spec: SandboxSpec) -> dict[str, Any]:
             ],
         },
     }
+    return oci
 
 
 class GVisorRuntime:
@@ -119,6 +121,7 @@ class GVisorRuntime:
         self.root = settings.paths.runsc_root
         self.platform = settings.runsc_platform
         self._overlay_flag: str | None = None
+        self._old_runsc: bool | None = None
 
     # ---------------------------------------------------------------- plumbing
 
@@ -127,7 +130,11 @@ class GVisorRuntime:
             # Newer runsc has --overlay2 (we want it off); very old ones only the boolean --overlay.
             res = await run_cmd([self.runsc, "flags"], timeout=SHORT_TIMEOUT, check=False, what="runsc flags")
             self._overlay_flag = "--overlay2=none" if "overlay2" in (res.stdout + res.stderr) else "--overlay=false"
-        return [f"--root={self.root}", f"--platform={self.platform}", "--network=sandbox", self._overlay_flag]
+            ver = await run_cmd([self.runsc, "--version"], timeout=SHORT_TIMEOUT, check=False, what="runsc version")
+            m = re.search(r"(20\d{6})", ver.stdout)
+            self._old_runsc = m is None or m.group(1) < "20230601"
+        flags = [f"--root={self.root}", f"--platform={self.platform}", "--network=sandbox", self._overlay_flag]
+        return flags
 
     async def _runsc(self, *args: str, timeout: float = SHORT_TIMEOUT, check: bool = True,
                      netns_path: str | None = None, output_file: Path | None = None) -> CmdResult:
@@ -179,6 +186,7 @@ class GVisorRuntime:
     # ---------------------------------------------------------------- Runtime protocol
 
     async def start(self, spec: SandboxSpec) -> None:
+        await self._global_flags()  # probes the runsc release the bundle must be written for
         self._write_bundle(spec)
         try:
             await self._runsc("run", "--detach", f"--bundle={spec.bundle_dir}", spec.sandbox_id,
@@ -189,6 +197,7 @@ class GVisorRuntime:
             raise
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        await self._global_flags()  # probes the runsc release the bundle must be written for
         self._write_bundle(spec)
         try:
             await self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={spec.bundle_dir}",

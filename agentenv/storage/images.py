@@ -200,6 +200,7 @@ class ImageStore:
         """Return the base image rootfs, building it first if absent (one builder across processes)."""
         target = self.images_dir / BASE_IMAGE
         if (target / "manifest.json").is_file():
+            ensure_preload(target / "rootfs")  # images cached before the shim existed
             return target / "rootfs"
         self.images_dir.mkdir(parents=True, exist_ok=True)
         if progress:
@@ -298,6 +299,7 @@ class ImageStore:
                     p.unlink()
         shutil.rmtree(rootfs / "debootstrap", ignore_errors=True)
         (rootfs / constants.TOOLS_MOUNT.lstrip("/")).mkdir(mode=0o755, exist_ok=True)  # tools layer mount point
+        ensure_preload(rootfs)  # last: chroot commands above must not try to load it
         machine_id = rootfs / "etc/machine-id"
         if machine_id.exists():
             machine_id.write_text("")  # each sandbox is its own machine
@@ -350,3 +352,18 @@ def _dpkg_packages(rootfs: Path) -> dict[str, str]:
         if fields.get("Status", "").endswith(" installed") and "Package" in fields:
             pkgs[fields["Package"]] = fields.get("Version", "")
     return dict(sorted(pkgs.items()))
+
+
+def ensure_preload(rootfs: Path) -> None:
+    """Make /etc/ld.so.preload load the tools layer's gVisor compat shim (idempotent).
+
+    Older gVisor rejects AT_NO_AUTOMOUNT in statx/fstatat, which breaks coreutils' ls and stat;
+    the shim drops the flag. A missing shim (tools layer not mounted) is only a warning for ld.so.
+    """
+    from agentenv.storage.tools import compat_preload_path
+
+    f = rootfs / "etc/ld.so.preload"
+    line = compat_preload_path()
+    current = f.read_text().splitlines() if f.exists() else []
+    if line not in current:
+        f.write_text("\n".join([*current, line]) + "\n")

@@ -39,3 +39,11 @@ async def async_sbx(server, request) -> AsyncIterator[AsyncSandbox]:
         yield sandbox
     finally:
         await akill_quietly(sandbox)
+
+
+@pytest.fixture(autouse=True)
+def _server_alive(server):
+    """Fail fast with the server's log instead of a cascade of 'connection refused' errors."""
+    code = server.proc.poll()
+    if code is not None:
+        pytest.fail(f"the agentenv server exited (code {code}); log tail:\n{server.log_tail(40)}", pytrace=False)
