@@ -62,7 +62,8 @@ apt_install() {
 }
 
 # --- system packages ---------------------------------------------------------
-SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-certificates)
+# gcc + libc6-dev build the tools layer's gVisor compat shim (agentenv/storage/compat).
+SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-certificates gcc libc6-dev)
 # runsc: the Debian/Ubuntu package, unless a runsc binary is already installed
 # (e.g. from gVisor's releases on production hosts).
 if ! command -v runsc >/dev/null 2>&1; then
@@ -140,7 +141,8 @@ if [ -f "$STAMP" ]; then
 fi
 if [ "$NEED_PIP" -eq 1 ]; then
   log "pip install -e '$TARGET'"
-  "$VENV/bin/python" -m pip install -q -e "$TARGET"
+  # PYTHONWARNINGS: keep setuptools deprecation banners from the isolated build out of the log
+  PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q -e "$TARGET"
   printf '%s %s\n' "$PYPROJECT_HASH" "$TARGET" > "$STAMP"
 else
   log "python packages up to date"

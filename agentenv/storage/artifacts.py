@@ -61,40 +61,28 @@ class ArtifactCache:
         if _empty_upper(upper):
             shutil.rmtree(upper, ignore_errors=True)
             return None
-        tmp_dir = self.root / "cache" / ".tmp"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
-        os.close(fd)
-        try:
-            digest, _size = await layer_tar.pack(upper, Path(tmp))
-            async with self._locks[digest]:
-                await self.local.put_blob("layers", digest, Path(tmp))
-                dst = self.layer_dir(digest)
-                if dst.exists():
-                    shutil.rmtree(upper, ignore_errors=True)
-                else:
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(upper, dst)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return digest
+        return await self._seal("layers", upper, self.layer_dir)
 
     async def seal_memory(self, image_dir: Path) -> str:
         """Turn a checkpoint image dir into a memory artifact; returns its digest."""
+        return await self._seal("memory", image_dir, self.memory_dir)
+
+    async def _seal(self, kind: str, src: Path, dir_of) -> str:
+        """Tar + hash `src` into the local blob cache, then move `src` to its extracted place."""
         tmp_dir = self.root / "cache" / ".tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
         os.close(fd)
         try:
-            digest, _size = await layer_tar.pack(image_dir, Path(tmp))
+            digest, _size = await layer_tar.pack(src, Path(tmp))
             async with self._locks[digest]:
-                await self.local.put_blob("memory", digest, Path(tmp))
-                dst = self.memory_dir(digest)
+                await self.local.put_blob(kind, digest, Path(tmp))
+                dst = dir_of(digest)
                 if dst.exists():
-                    shutil.rmtree(image_dir, ignore_errors=True)
+                    shutil.rmtree(src, ignore_errors=True)
                 else:
                     dst.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(image_dir, dst)
+                    os.replace(src, dst)
         finally:
             Path(tmp).unlink(missing_ok=True)
         return digest

@@ -1,0 +1,890 @@
+#!/usr/bin/env python3
+"""agentenv benchmarks: our server (through the official e2b SDK) next to raw runsc baselines.
+
+Usage (as root, from the repo):
+    .venv/bin/python benchmarks/run.py [--quick] [--only create,exec,files,lifecycle,snapshot,memory]
+
+Starts its own `agentenv serve` (data dir /var/tmp/agentenv-bench, images hard-linked from
+/var/tmp/agentenv-test/images when present), measures, stops the server by PID, runs `agentenv gc`
+and writes benchmarks/results/<timestamp>.json + .md (and latest.json / latest.md).
+Raw baselines use agentenv's own NetworkManager / RootfsManager / GVisorRuntime directly (same OCI
+spec, same netns wrapper, same overlay rootfs) with a separate runsc --root, so the server never
+sees them. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BENCH_DIR = Path(os.environ.get("AGENTENV_BENCH_DATA_DIR", "/var/tmp/agentenv-bench"))
+TEST_IMAGES = Path(os.environ.get("AGENTENV_BENCH_IMAGES_FROM", "/var/tmp/agentenv-test/images"))
+RESULTS = REPO / "benchmarks" / "results"
+AGENTENV = str(Path(sys.prefix) / "bin" / "agentenv")
+RAW_PORT = 49983
+MiB = 1024 * 1024
+
+# The raw baseline's only process: optionally holds N MiB of random bytes, answers "ok\n" on TCP.
+# The client always closes first, so the sandbox never holds a TIME_WAIT endpoint (which would
+# make runsc checkpoint fail).
+RAW_SERVER = r"""
+import os, socket, sys
+hold = os.urandom(int(sys.argv[1]) << 20) if int(sys.argv[1]) else b""
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", %d)); s.listen(64)
+while True:
+    c, _ = s.accept()
+    try:
+        c.sendall(b"ok\n"); c.settimeout(10); c.recv(1)
+    except Exception:
+        pass
+    c.close()
+""" % RAW_PORT
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def stats(xs: list[float]) -> dict:
+    return {"n": len(xs), "p50": pct(xs, 50), "p95": pct(xs, 95), "max": max(xs) if xs else None,
+            "min": min(xs) if xs else None, "mean": statistics.fmean(xs) if xs else None, "raw": xs}
+
+
+def loadavg() -> list[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sh(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+
+
+def hardware() -> dict:
+    mem = Path("/proc/meminfo").read_text().split("\n")[0]
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "?")
+    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_total": mem.split(":")[1].strip(),
+            "kernel": platform.release(), "runsc": sh(["runsc", "--version"]).stdout.strip().splitlines()[:2],
+            "python": platform.python_version(), "disk_fs": sh(["stat", "-f", "-c", "%T", "/var/tmp"]).stdout.strip()}
+
+
+# ---------------------------------------------------------------- process memory
+
+def pss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def procs_of(sandbox_id: str) -> list[int]:
+    """runsc-sandbox + gofer (and their ptrace stub children) of one container: cmdline mentions the id."""
+    children: dict[int, list[int]] = {}
+    roots = []
+    for e in Path("/proc").iterdir():
+        if not e.name.isdigit():
+            continue
+        try:
+            cmd = (e / "cmdline").read_bytes()
+            ppid = int((e / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(e.name))
+        if sandbox_id.encode() in cmd and (b"runsc-sandbox" in cmd or b"gofer" in cmd or b"boot" in cmd):
+            roots.append(int(e.name))
+    out, todo = set(), list(roots)
+    while todo:
+        p = todo.pop()
+        if p not in out:
+            out.add(p)
+            todo.extend(children.get(p, []))
+    return sorted(out)
+
+
+def sandbox_pss_mb(sandbox_id: str) -> tuple[float, int]:
+    pids = procs_of(sandbox_id)
+    return sum(pss_kb(p) for p in pids) / 1024, len(pids)
+
+
+# ---------------------------------------------------------------- the server
+
+class BenchServer:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.proc: subprocess.Popen | None = None
+        self.log_path = data_dir / "bench-server.log"
+        self.url = ""
+        self.key = ""
+        self._log_offset = 0
+
+    def prepare(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        if (self.data_dir / "state.db").exists() or (self.data_dir / "sandboxes").exists():
+            self.gc()
+        for p in self.data_dir.glob("state.db*"):
+            p.unlink()
+        images = self.data_dir / "images"
+        if not images.exists() and TEST_IMAGES.is_dir():
+            log(f"hard-linking images from {TEST_IMAGES}")
+            subprocess.run(["cp", "-al", str(TEST_IMAGES), str(images)], check=True)
+
+    def gc(self) -> str:
+        env = dict(os.environ, AGENTENV_DATA_DIR=str(self.data_dir))
+        r = subprocess.run([AGENTENV, "gc"], env=env, capture_output=True, text=True, timeout=180,
+                           stdin=subprocess.DEVNULL)
+        return (r.stdout + r.stderr).strip()
+
+    def start(self, timeout: float = 600) -> None:
+        port = free_port()
+        self.key = "e2b_" + secrets.token_hex(20)
+        self.url = f"http://127.0.0.1:{port}"
+        env = dict(os.environ, AGENTENV_DATA_DIR=str(self.data_dir), AGENTENV_HOST="127.0.0.1",
+                   AGENTENV_PORT=str(port), AGENTENV_BOOTSTRAP_API_KEY=self.key)
+        with open(self.log_path, "wb") as f:
+            self.proc = subprocess.Popen([AGENTENV, "serve"], env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        import requests
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}); see {self.log_path}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server not healthy in time")
+            time.sleep(0.25)
+        os.environ.update(E2B_API_URL=self.url, E2B_SANDBOX_URL=self.url, E2B_API_KEY=self.key)
+        os.environ.pop("E2B_DEBUG", None)
+        log(f"server pid {self.proc.pid} on {self.url}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)  # our own server's process group only
+        except ProcessLookupError:
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def alive(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        import requests
+        try:
+            return requests.get(f"{self.url}/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log_since(self, mark: int) -> str:
+        with open(self.log_path, "rb") as f:
+            f.seek(mark)
+            return f.read().decode(errors="replace")
+
+    def log_mark(self) -> int:
+        return self.log_path.stat().st_size
+
+
+# ---------------------------------------------------------------- raw runsc baselines
+
+class Raw:
+    """Bare runsc containers built from the same pieces agentenv uses (own --root, own dir)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        from agentenv.config import load_settings
+        from agentenv.network.manager import NetworkManager
+        from agentenv.runtimes.gvisor import GVisorRuntime
+        from agentenv.storage.rootfs import RootfsManager
+
+        self.root = data_dir / "raw"
+        self.settings = load_settings(data_dir=self.root)
+        self.net = NetworkManager(self.settings)
+        self.rt = GVisorRuntime(self.settings)
+        self.rootfs = RootfsManager(self.settings.paths)
+        self.base = (data_dir / "images" / "base" / "rootfs").resolve()
+        tools = sorted((t for t in (data_dir / "images" / "tools").glob("*") if t.is_dir()),
+                       key=lambda t: t.stat().st_mtime)
+        self.tools = tools[-1] if tools else self.base
+        self.live: dict[str, object] = {}  # id -> slot
+        self._n = 0
+        self.loop = asyncio.new_event_loop()
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def new_id(self) -> str:
+        self._n += 1
+        return f"rawbench{os.getpid()}x{self._n}"
+
+    def spec(self, sid: str, rootfs: Path, slot, mem_mb: int = 0, envd: bool = False):
+        from agentenv.runtimes.base import SandboxSpec
+        from agentenv.storage import tools
+        if envd:  # agentenv's own in-sandbox daemon, started exactly as the server starts it
+            args = tools.envd_argv()
+            env = {**tools.envd_env(), "AGENTENV_ENVD_HOST_TOKEN": secrets.token_hex(16)}
+        else:
+            args, env = ["python3", "-c", RAW_SERVER, str(mem_mb)], {}
+        return SandboxSpec(sandbox_id=sid, rootfs=rootfs, tools_dir=self.tools, slot=slot,
+                           bundle_dir=self.settings.paths.sandbox_dir(sid) / "bundle", cpu_count=2,
+                           memory_mb=1024, args=args, env=env)
+
+    async def setup(self) -> None:
+        await self.net.setup_host()
+
+    async def _prepare(self, sid: str):
+        for attempt in range(3):
+            try:
+                rootfs, slot = await asyncio.gather(self.rootfs.prepare(sid, [self.base]), self.net.allocate(sid))
+                break
+            except Exception as e:  # noqa: BLE001 - slot index raced with the server: rescan, retry
+                log(f"raw slot/rootfs for {sid} failed ({e!r}); retrying")
+                await self.destroy(sid)
+                await self.net.discover()
+                if attempt == 2:
+                    raise
+        self.live[sid] = slot
+        return rootfs, slot
+
+    async def wait_answer(self, host_ip: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                r, w = await asyncio.wait_for(asyncio.open_connection(host_ip, RAW_PORT), 2)
+                data = await asyncio.wait_for(r.readexactly(3), 5)
+                w.close()  # client closes first: no TIME_WAIT inside the sandbox
+                if data == b"ok\n":
+                    return
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"raw container at {host_ip} never answered")
+            await asyncio.sleep(0.01)
+
+    async def start(self, mem_mb: int = 0, envd: bool = False) -> tuple[str, dict]:
+        """overlay + slot + runsc run + first answer (TCP, or envd GET /health); returns (id, phases)."""
+        from agentenv.orchestrator import envd_client
+        sid = self.new_id()
+        t0 = time.monotonic()
+        rootfs, slot = await self._prepare(sid)
+        t1 = time.monotonic()
+        await self.rt.start(self.spec(sid, rootfs, slot, mem_mb, envd=envd))
+        t2 = time.monotonic()
+        await self.net.activate(slot)
+        if envd:
+            await envd_client.wait_healthy(slot.host_ip)
+        else:
+            await self.wait_answer(slot.host_ip)
+        t3 = time.monotonic()
+        return sid, {"total": t3 - t0, "prepare": t1 - t0, "runsc_run": t2 - t1, "to_answer": t3 - t2}
+
+    async def checkpoint(self, sid: str, image: Path) -> float:
+        """Bare `runsc checkpoint` (same netns wrapper); the stopped container is deleted afterwards
+        (not timed) so the id can be restored."""
+        await asyncio.sleep(0.3)  # let the probe connection finish closing on the sandbox side
+        shutil.rmtree(image, ignore_errors=True)
+        image.mkdir(parents=True)
+        slot = self.live[sid]
+        t0 = time.monotonic()
+        try:
+            await self.rt._runsc("checkpoint", f"--image-path={image}", sid, timeout=300,
+                                 netns_path=slot.netns_path, output_file=self.settings.paths.sandbox_dir(sid) / "ckpt.log")
+            return time.monotonic() - t0
+        finally:
+            await self.rt.stop(sid)
+
+    async def restore_into(self, sid: str, image: Path) -> dict:
+        """Restore `image` as container `sid` (existing slot after deactivate, or a new one)."""
+        t0 = time.monotonic()
+        slot = self.live.get(sid)
+        if slot is None:
+            rootfs, slot = await self._prepare(sid)
+        else:
+            await self.net.deactivate(slot)
+            rootfs = self.rootfs.rootfs_path(sid)
+        t1 = time.monotonic()
+        await self.rt.restore(self.spec(sid, rootfs, slot), image)
+        t2 = time.monotonic()
+        await self.net.activate(slot)
+        await self.wait_answer(slot.host_ip)
+        t3 = time.monotonic()
+        return {"total": t3 - t0, "prepare": t1 - t0, "runsc_restore": t2 - t1, "to_answer": t3 - t2}
+
+    async def destroy(self, sid: str) -> None:
+        try:
+            await self.rt.stop(sid)
+        except Exception as e:  # noqa: BLE001
+            log(f"raw stop {sid}: {e}")
+        slot = self.live.pop(sid, None)
+        if slot is not None:
+            await self.net.release(slot)
+        try:
+            await self.rootfs.release(sid)
+        except Exception as e:  # noqa: BLE001
+            log(f"raw rootfs release {sid}: {e}")
+
+    async def destroy_all(self) -> None:
+        for sid in list(self.live):
+            await self.destroy(sid)
+        # anything our runsc root still knows (e.g. after a crash)
+        for sid in await self.rt.list_ids():
+            await self.rt.stop(sid)
+
+    async def pss(self, sid: str) -> float:
+        return sandbox_pss_mb(sid)[0]
+
+
+def runsc_exec_argv(root: Path, sid: str) -> list[str]:
+    return ["runsc", f"--root={root}", "--platform=ptrace", "exec", sid, "/bin/true"]
+
+
+# ---------------------------------------------------------------- benchmarks
+
+class Bench:
+    def __init__(self, quick: bool, server: BenchServer, raw: Raw) -> None:
+        self.quick = quick
+        self.srv = server
+        self.raw = raw
+        self.results: dict = {}
+        from e2b import Sandbox
+        self.Sandbox = Sandbox
+        self.pool = concurrent.futures.ThreadPoolExecutor(32)
+
+    def create(self, **kw):
+        return self.Sandbox.create(timeout=1800, **kw)
+
+    # 1 ------------------------------------------------------------------
+    def bench_create(self) -> None:
+        n = 10 if self.quick else 30
+        log(f"create: {n} sandboxes via SDK")
+        ours, phases = [], []
+        for _ in range(n):
+            t0 = time.monotonic()
+            sbx = self.create()
+            t1 = time.monotonic()
+            sbx.commands.run("true")
+            t2 = time.monotonic()
+            ours.append(t2 - t0)
+            phases.append({"create": t1 - t0, "first_cmd": t2 - t1})
+            sbx.kill()
+        log(f"create: {n} raw runsc run (python TCP answer)")
+        raw, raw_phases = [], []
+        for _ in range(n):
+            sid, ph = self.raw.run(self.raw.start())
+            raw.append(ph["total"])
+            raw_phases.append(ph)
+            self.raw.run(self.raw.destroy(sid))
+        log(f"create: {n} raw runsc run of envd (GET /health answered)")
+        raw_envd = []
+        for _ in range(n):
+            sid, ph = self.raw.run(self.raw.start(envd=True))
+            raw_envd.append(ph)
+            self.raw.run(self.raw.destroy(sid))
+        self.results["create"] = {
+            "raw_envd": stats([p["total"] for p in raw_envd]),
+            "raw_envd_to_healthy": stats([p["to_answer"] for p in raw_envd]),
+            "ours": stats(ours), "ours_create_call": stats([p["create"] for p in phases]),
+            "ours_first_cmd": stats([p["first_cmd"] for p in phases]),
+            "raw": stats(raw), "raw_runsc_run": stats([p["runsc_run"] for p in raw_phases]),
+            "raw_prepare": stats([p["prepare"] for p in raw_phases]),
+            "raw_to_answer": stats([p["to_answer"] for p in raw_phases])}
+
+    # 2 ------------------------------------------------------------------
+    def bench_exec(self) -> None:
+        n, nraw = (30, 15) if self.quick else (120, 40)
+        log(f"exec: {n} commands.run('true'), {nraw} raw runsc exec")
+        sbx = self.create()
+        try:
+            sbx.commands.run("true")
+            ours = []
+            for _ in range(n):
+                t0 = time.monotonic()
+                sbx.commands.run("true")
+                ours.append(time.monotonic() - t0)
+            root = BENCH_DIR / "run" / "runsc"
+            raw = []
+            for _ in range(nraw):
+                t0 = time.monotonic()
+                r = sh(runsc_exec_argv(root, sbx.sandbox_id), timeout=30)
+                raw.append(time.monotonic() - t0)
+                if r.returncode != 0:
+                    raise RuntimeError(f"runsc exec failed: {r.stderr[-500:]}")
+        finally:
+            sbx.kill()
+        self.results["exec"] = {"ours": stats(ours), "raw_runsc_exec": stats(raw)}
+
+    # 3 ------------------------------------------------------------------
+    def bench_files(self) -> None:
+        reps = 2 if self.quick else 4
+        size = 64 * MiB
+        data = os.urandom(size)
+        log(f"files: {reps} x 64 MiB write/read via SDK, host disk, dd in sandbox")
+        w, r, lw, lr, dw, dr = [], [], [], [], [], []
+        sbx = self.create()
+        local = BENCH_DIR / "files-baseline.bin"
+        try:
+            for i in range(reps):
+                t0 = time.monotonic()
+                sbx.files.write(f"/tmp/bench-{i}.bin", data)
+                w.append(time.monotonic() - t0)
+                t0 = time.monotonic()
+                back = sbx.files.read(f"/tmp/bench-{i}.bin", format="bytes")
+                r.append(time.monotonic() - t0)
+                if len(back) != size or back[:4096] != data[:4096] or back[-4096:] != data[-4096:]:
+                    raise RuntimeError("files.read returned different bytes")
+                del back
+                t0 = time.monotonic()
+                local.write_bytes(data)
+                lw.append(time.monotonic() - t0)
+                t0 = time.monotonic()
+                _ = local.read_bytes()
+                lr.append(time.monotonic() - t0)
+                del _
+                out = sbx.commands.run(f"dd if=/dev/zero of=/tmp/dd-{i}.bin bs=1M count=64 2>&1; "
+                                       f"dd if=/tmp/dd-{i}.bin of=/dev/null bs=1M 2>&1")
+                secs = [float(x) for x in re.findall(r"copied, ([0-9.]+) s", out.stdout)]
+                if len(secs) == 2:
+                    dw.append(secs[0])
+                    dr.append(secs[1])
+                sbx.commands.run(f"rm -f /tmp/bench-{i}.bin /tmp/dd-{i}.bin")
+        finally:
+            sbx.kill()
+            local.unlink(missing_ok=True)
+
+        def mbps(ts):
+            return {**stats(ts), "MiBps_p50": 64 / pct(ts, 50) if ts else None}
+        self.results["files"] = {"size_MiB": 64, "sdk_write": mbps(w), "sdk_read": mbps(r), "host_write": mbps(lw),
+                                 "host_read": mbps(lr), "sandbox_dd_write": mbps(dw), "sandbox_dd_read": mbps(dr)}
+
+    # 4a -----------------------------------------------------------------
+    def bench_pause_resume(self) -> None:
+        reps = 2 if self.quick else 5
+        log(f"pause/resume: {reps} reps (SDK) + {reps} raw checkpoint/restore")
+        pause, resume, first = [], [], []
+        for _ in range(reps):
+            sbx = self.create()
+            try:
+                sbx.commands.run("true")
+                t0 = time.monotonic()
+                sbx.pause()
+                pause.append(time.monotonic() - t0)
+                t0 = time.monotonic()
+                sbx2 = self.Sandbox.connect(sbx.sandbox_id, timeout=1800)
+                resume.append(time.monotonic() - t0)
+                sbx2.commands.run("true")
+                first.append(time.monotonic() - t0)
+            finally:
+                try:
+                    self.Sandbox.kill(sbx.sandbox_id)
+                except Exception:  # noqa: BLE001
+                    pass
+        ck, rs = [], []
+        img = self.raw.root / "ckpt-pr"
+        for _ in range(reps):
+            sid, _ph = self.raw.run(self.raw.start())
+            try:
+                ck.append(self.raw.run(self.raw.checkpoint(sid, img)))
+                rs.append(self.raw.run(self.raw.restore_into(sid, img))["total"])
+            finally:
+                self.raw.run(self.raw.destroy(sid))
+        shutil.rmtree(img, ignore_errors=True)
+        self.results["pause_resume"] = {"ours_pause": stats(pause), "ours_connect": stats(resume),
+                                        "ours_connect_to_first_cmd": stats(first),
+                                        "raw_checkpoint": stats(ck), "raw_restore_to_answer": stats(rs)}
+
+    # 4b -----------------------------------------------------------------
+    def bench_fork(self) -> None:
+        counts = [1, 4, 16]
+        log(f"fork: children {counts}")
+        out = {}
+        for n in counts:
+            src = self.create()
+            kids = []
+            try:
+                src.commands.run("echo hi > /tmp/marker")
+                mark = self.srv.log_mark()
+                t0 = time.monotonic()
+                res = src.fork(count=n, timeout=1800)
+                t_call = time.monotonic() - t0
+                kids = [k for k in res if not isinstance(k, Exception)]
+                errs = [repr(k) for k in res if isinstance(k, Exception)]
+                list(self.pool.map(lambda k: k.commands.run("cat /tmp/marker"), kids))
+                t_all = time.monotonic() - t0
+                src.commands.run("true")
+                logtxt = self.srv.log_since(mark)
+                m = re.search(r"captured \S+: checkpoint ([0-9.]+)s, seal ([0-9.]+)s, source back after ([0-9.]+)s",
+                              logtxt)
+                pss = []
+                if n == 4 or (n == 1 and len(counts) == 1):
+                    time.sleep(2)
+                    pss = [sandbox_pss_mb(k.sandbox_id)[0] for k in kids]
+                out[str(n)] = {"ok": len(kids), "errors": errs, "fork_call": t_call, "all_answer": t_all,
+                               "source_checkpoint": float(m.group(1)) if m else None,
+                               "source_seal": float(m.group(2)) if m else None,
+                               "source_paused": float(m.group(3)) if m else None,
+                               "child_pss_MiB": pss}
+                log(f"fork {n}: all answered in {t_all:.2f}s, source paused {out[str(n)]['source_paused']}")
+            finally:
+                list(self.pool.map(lambda k: _kill(k), kids + [src]))
+        # raw: checkpoint a bare container, N parallel restores into fresh slots/overlays
+        raw = {}
+        img = self.raw.root / "ckpt-fork"
+        sid, _ = self.raw.run(self.raw.start())
+        try:
+            ck = self.raw.run(self.raw.checkpoint(sid, img))
+        finally:
+            self.raw.run(self.raw.destroy(sid))
+        for n in counts:
+            ids = [self.raw.new_id() for _ in range(n)]
+
+            async def par():
+                t0 = time.monotonic()
+                await asyncio.gather(*(self.raw.restore_into(i, img) for i in ids))
+                return time.monotonic() - t0
+            try:
+                raw[str(n)] = {"all_answer": self.raw.run(par())}
+                log(f"raw parallel restore {n}: all answered in {raw[str(n)]['all_answer']:.2f}s")
+                if n == 4:
+                    time.sleep(2)
+                    raw[str(n)]["child_pss_MiB"] = [sandbox_pss_mb(i)[0] for i in ids]
+            finally:
+                for i in ids:
+                    self.raw.run(self.raw.destroy(i))
+        shutil.rmtree(img, ignore_errors=True)
+        # idle sandbox (fresh, not forked) for the memory comparison
+        idle = self.create()
+        try:
+            idle.commands.run("true")
+            time.sleep(2)
+            idle_pss = [sandbox_pss_mb(idle.sandbox_id)[0]]
+        finally:
+            _kill(idle)
+        self.results["fork"] = {"ours": out, "raw_checkpoint": ck, "raw_parallel_restore": raw,
+                                "idle_sandbox_pss_MiB": idle_pss}
+
+    # 4c -----------------------------------------------------------------
+    def bench_snapshot(self) -> None:
+        sizes = [0, 64, 256]
+        log(f"snapshot: memory touched {sizes} MiB, files written {sizes} MiB")
+        rows = []
+        for kind in ("memory", "files"):
+            for mb in sizes:
+                if kind == "files" and mb == 0:
+                    continue  # same as memory 0
+                sbx = self.create()
+                try:
+                    if mb and kind == "memory":
+                        sbx.commands.run(
+                            f"python3 -c \"import os,time; b=os.urandom({mb}<<20); open('/tmp/ready','w').close(); "
+                            f"time.sleep(1e6)\"", background=True)
+                        sbx.commands.run("for i in $(seq 600); do [ -e /tmp/ready ] && break; sleep 0.1; done")
+                    elif mb:
+                        sbx.commands.run(f"head -c {mb}M /dev/urandom > $HOME/changed.bin && sync", timeout=300)
+                    mark = self.srv.log_mark()
+                    t0 = time.monotonic()
+                    snap = sbx.create_snapshot()
+                    t_snap = time.monotonic() - t0
+                    sbx.commands.run("true")
+                    t_back = time.monotonic() - t0
+                    logtxt = self.srv.log_since(mark)
+                    m = re.search(r"committed \((\d+) layers, [a-z ]+, (\d+) bytes\)", logtxt)
+                    c = re.search(r"captured \S+: checkpoint ([0-9.]+)s, seal ([0-9.]+)s, source back after ([0-9.]+)s",
+                                  logtxt)
+                    row = {"kind": kind, "MiB": mb, "snapshot_call": t_snap, "source_answers_after": t_back,
+                           "size_bytes": int(m.group(2)) if m else None,
+                           "checkpoint": float(c.group(1)) if c else None, "seal": float(c.group(2)) if c else None,
+                           "source_paused": float(c.group(3)) if c else None,
+                           "memory_image_bytes": _newest_memory_blob(BENCH_DIR)}
+                    rows.append(row)
+                    log(f"snapshot {kind} {mb} MiB: {t_snap:.2f}s, {row['size_bytes']} bytes")
+                    try:
+                        self.Sandbox.delete_snapshot(snap.snapshot_id)
+                    except Exception as e:  # noqa: BLE001
+                        log(f"delete_snapshot: {e}")
+                finally:
+                    _kill(sbx)
+        # raw baseline: checkpoint of a bare container holding N MiB of random bytes
+        raw = []
+        for mb in sizes:
+            sid, _ = self.raw.run(self.raw.start(mem_mb=mb))
+            img = self.raw.root / f"ckpt-mem{mb}"
+            try:
+                t = self.raw.run(self.raw.checkpoint(sid, img))
+            finally:
+                self.raw.run(self.raw.destroy(sid))
+            size = sum(p.stat().st_size for p in img.rglob("*") if p.is_file())
+            shutil.rmtree(img, ignore_errors=True)
+            raw.append({"MiB": mb, "checkpoint": t, "size_bytes": size})
+        self.results["snapshot"] = {"ours": rows, "raw_checkpoint_memory": raw}
+
+    def run_all(self, only: set[str]) -> None:
+        steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
+                 ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot)]
+        for name, fn in steps:
+            if only and name not in only:
+                continue
+            t0 = time.monotonic()
+            for attempt in (1, 2):
+                self.ensure_server()
+                try:
+                    fn()
+                    self.results.get("errors", {}).pop(name, None)
+                    break
+                except Exception as e:  # noqa: BLE001 - keep the other benchmarks going
+                    log(f"{name} FAILED: {e}")
+                    self.results.setdefault("errors", {})[name] = traceback.format_exc()
+                    if self.srv.alive():
+                        break  # a real failure, not the server disappearing under us: do not retry
+                    log(f"{name}: the server is gone (killed from outside?); restarting it and retrying")
+            self.results.setdefault("durations_s", {})[name] = round(time.monotonic() - t0, 1)
+
+    def ensure_server(self) -> None:
+        if self.srv.alive():
+            return
+        tail = self.srv.log_since(max(0, self.srv.log_mark() - 600)).strip().splitlines()[-3:]
+        self.results.setdefault("server_restarts", []).append(
+            {"at": time.strftime("%H:%M:%S"), "exit": self.srv.proc.poll() if self.srv.proc else None,
+             "log_tail": tail})
+        log(f"server not alive (log tail: {tail}); restarting")
+        self.srv.stop()
+        self.srv.log_path = self.srv.data_dir / f"bench-server-{len(self.results['server_restarts'])}.log"
+        self.srv.start()
+
+
+def _kill(sbx) -> None:
+    try:
+        sbx.kill()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _newest_memory_blob(data_dir: Path) -> int | None:
+    """Size of the most recently written memory artifact (local store) — the snapshot's memory part."""
+    best = None
+    tops = [d for d in data_dir.iterdir() if d.is_dir() and d.name not in ("images", "sandboxes", "raw", "run")]
+    for p in (f for d in tops for f in d.rglob("*")):
+        if "memory" in p.parts and "cache" in p.parts and p.is_file():
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            if best is None or st.st_mtime > best[0]:
+                best = (st.st_mtime, st.st_size, p)
+    return best[1] if best else None
+
+
+# ---------------------------------------------------------------- report
+
+def ms(x) -> str:
+    return "–" if x is None else f"{x * 1000:.0f} ms"
+
+
+def s_(x) -> str:
+    return "–" if x is None else f"{x:.2f} s"
+
+
+def mb(x) -> str:
+    return "–" if x is None else f"{x / 1e6:.1f} MB"
+
+
+def report(res: dict) -> str:
+    L = []
+    meta = res["meta"]
+    hw = meta["hardware"]
+    L += [f"## Results {meta['started']} ({'quick' if meta['quick'] else 'full'} run)", "",
+          f"Host: {hw['nproc']} cores ({hw['cpu']}), {hw['mem_total']} RAM, kernel {hw['kernel']}, "
+          f"{' / '.join(hw['runsc'])}, /var/tmp on {hw['disk_fs']}. "
+          f"Load average at start {meta['load_start']}, at end {meta['load_end']} (shared, noisy machine). "
+          f"Total {meta['duration_s']:.0f} s.", ""]
+    c = res.get("create")
+    if c:
+        L += ["### 1. Create → first command", "",
+              "| | n | p50 | p95 | max |", "|---|---|---|---|---|"]
+        for label, k in [("**agentenv**: `Sandbox.create()` + `commands.run('true')`", "ours"),
+                         ("  of which `Sandbox.create()`", "ours_create_call"),
+                         ("  of which first `commands.run`", "ours_first_cmd"),
+                         ("**raw**: overlay + netns slot + `runsc run` + first TCP answer", "raw"),
+                         ("  of which `runsc run --detach`", "raw_runsc_run"),
+                         ("  of which overlay mount + netns slot", "raw_prepare"),
+                         ("  of which run → process answers", "raw_to_answer"),
+                         ("**raw, envd as process**: same, until envd `GET /health` answers", "raw_envd"),
+                         ("  of which run → envd healthy", "raw_envd_to_healthy")]:
+            st = c[k]
+            L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
+        L.append("")
+    e = res.get("exec")
+    if e:
+        L += ["### 2. Command round trip", "", "| | n | p50 | p95 | max |", "|---|---|---|---|---|"]
+        for label, k in [("**agentenv**: `commands.run('true')` (SDK → proxy → envd)", "ours"),
+                         ("**raw**: `runsc exec <id> /bin/true` (same sandbox)", "raw_runsc_exec")]:
+            st = e[k]
+            L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
+        L.append("")
+    f = res.get("files")
+    if f:
+        L += ["### 3. File throughput (64 MiB of random bytes)", "",
+              "| | n | p50 time | p50 MiB/s | max time |", "|---|---|---|---|---|"]
+        for label, k in [("**agentenv** `files.write`", "sdk_write"), ("**agentenv** `files.read`", "sdk_read"),
+                         ("host: `write_bytes` to /var/tmp (page cache, no fsync)", "host_write"),
+                         ("host: `read_bytes` (page cache)", "host_read"),
+                         ("in sandbox: `dd if=/dev/zero bs=1M count=64`", "sandbox_dd_write"),
+                         ("in sandbox: `dd of=/dev/null bs=1M`", "sandbox_dd_read")]:
+            st = f[k]
+            r = f"{st['MiBps_p50']:.0f}" if st.get("MiBps_p50") else "–"
+            L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {r} | {ms(st['max'])} |")
+        L.append("")
+    p = res.get("pause_resume")
+    if p:
+        L += ["### 4a. Pause / resume", "", "| | n | p50 | max |", "|---|---|---|---|"]
+        for label, k in [("**agentenv** `sbx.pause()` (checkpoint + release slot)", "ours_pause"),
+                         ("**agentenv** `Sandbox.connect()` of a paused sandbox (restore)", "ours_connect"),
+                         ("**agentenv** connect → first `commands.run` answered", "ours_connect_to_first_cmd"),
+                         ("**raw** `runsc checkpoint` (bare container)", "raw_checkpoint"),
+                         ("**raw** `runsc restore` → first TCP answer", "raw_restore_to_answer")]:
+            st = p[k]
+            L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['max'])} |")
+        L.append("")
+    fk = res.get("fork")
+    if fk:
+        L += ["### 4b. Fork", "",
+              "| children | agentenv: fork call | agentenv: every child answered `commands.run` | source paused "
+              "(checkpoint / seal) | raw: N parallel `runsc restore` all answering |",
+              "|---|---|---|---|---|"]
+        for n, o in fk["ours"].items():
+            r = fk["raw_parallel_restore"].get(n, {})
+            L.append(f"| {n} ({o['ok']} ok) | {s_(o['fork_call'])} | {s_(o['all_answer'])} | "
+                     f"{s_(o['source_paused'])} ({s_(o['source_checkpoint'])} / {s_(o['source_seal'])}) | "
+                     f"{s_(r.get('all_answer'))} |")
+        L += ["", f"Raw `runsc checkpoint` of the bare source: {s_(fk['raw_checkpoint'])}.", ""]
+        kids = fk["ours"].get("4", {}).get("child_pss_MiB") or []
+        rkids = fk["raw_parallel_restore"].get("4", {}).get("child_pss_MiB") or []
+        L += ["Host memory (sum of PSS of runsc-sandbox, gofer and ptrace stub processes):", "",
+              "| | PSS per sandbox |", "|---|---|",
+              f"| agentenv idle sandbox (fresh create) | {', '.join(f'{x:.0f}' for x in fk['idle_sandbox_pss_MiB'])} MiB |",
+              f"| agentenv idle fork child (of 4) | {', '.join(f'{x:.0f}' for x in kids)} MiB |",
+              f"| raw restored bare container (of 4) | {', '.join(f'{x:.0f}' for x in rkids)} MiB |", ""]
+    sn = res.get("snapshot")
+    if sn:
+        L += ["### 4c. Snapshot size and time vs what changed", "",
+              "| changed | `create_snapshot()` | source paused | checkpoint | seal | snapshot size | of which memory image |",
+              "|---|---|---|---|---|---|---|"]
+        for r in sn["ours"]:
+            what = "nothing" if r["MiB"] == 0 else f"{r['MiB']} MiB {'held in memory' if r['kind'] == 'memory' else 'of files written'}"
+            L.append(f"| {what} | {s_(r['snapshot_call'])} | {s_(r['source_paused'])} | {s_(r['checkpoint'])} | "
+                     f"{s_(r['seal'])} | {mb(r['size_bytes'])} | {mb(r['memory_image_bytes'])} |")
+        L += ["", "Raw baseline: `runsc checkpoint` of a bare container holding N MiB of random bytes:", "",
+              "| memory held | checkpoint | image size |", "|---|---|---|"]
+        for r in sn["raw_checkpoint_memory"]:
+            L.append(f"| {r['MiB']} MiB | {s_(r['checkpoint'])} | {mb(r['size_bytes'])} |")
+        L.append("")
+    if res.get("errors"):
+        L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
+    return "\n".join(L)
+
+
+# ---------------------------------------------------------------- main
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
+    ap.add_argument("--only", default="", help="comma list of: create,exec,files,pause,fork,snapshot")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("run as root (runsc, netns, mounts)", file=sys.stderr)
+        return 2
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    t_start = time.monotonic()
+    res: dict = {"meta": {"started": started, "quick": args.quick, "load_start": loadavg(),
+                          "hardware": hardware(), "only": sorted(only)}}
+    srv = BenchServer(BENCH_DIR)
+    raw = None
+    rc = 0
+    try:
+        srv.prepare()
+        srv.start()
+        raw = Raw(BENCH_DIR)
+        raw.run(raw.setup())
+        b = Bench(args.quick, srv, raw)
+        b.run_all(only)
+        res.update(b.results)
+    except Exception:  # noqa: BLE001
+        res.setdefault("errors", {})["main"] = traceback.format_exc()
+        log(traceback.format_exc())
+        rc = 1
+    finally:
+        if raw is not None:
+            try:
+                raw.run(raw.destroy_all())
+            except Exception as e:  # noqa: BLE001
+                log(f"raw cleanup: {e}")
+        srv.stop()
+        res["meta"]["gc"] = srv.gc()
+        left = sh(["sh", "-c", f"grep -c ' {BENCH_DIR}' /proc/self/mountinfo; "
+                   f"runsc --root={BENCH_DIR}/run/runsc list -q 2>/dev/null | wc -l; "
+                   f"runsc --root={BENCH_DIR}/raw/run/runsc list -q 2>/dev/null | wc -l"]).stdout.split()
+        res["meta"]["leftover_mounts_containers"] = left
+        log(f"cleanup: gc={res['meta']['gc']!r}; leftover mounts/containers/raw containers: {left}")
+    res["meta"]["load_end"] = loadavg()
+    res["meta"]["duration_s"] = time.monotonic() - t_start
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = started.replace(":", "").replace("-", "") + ("-quick" if args.quick else "")
+    js = json.dumps(res, indent=1, default=str)
+    md = report(res)
+    for name in (f"{tag}.json", "latest.json"):
+        (RESULTS / name).write_text(js)
+    for name in (f"{tag}.md", "latest.md"):
+        (RESULTS / name).write_text(md + "\n")
+    print(md)
+    log(f"wrote {RESULTS / (tag + '.json')} and .md")
+    return rc or (1 if res.get("errors") else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Lifecycle across server processes: survive `kill -9` of the server; snapshots shared through S3.
+
+Both tests run EXTRA servers (tests/serverproc.py) on their own data dirs (images hard-linked from
+the shared one) and check after shutdown + `agentenv gc` that nothing of those data dirs is left.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox, SandboxState
+
+from leftovers import runsc_containers
+from lifecycle_util import WORK, ask_worker, assert_same_worker, read_state, setup_worker
+from s3server import start_s3
+from serverproc import new_api_key, new_data_dir, remove_data_dir, start_extra_server
+
+TIMEOUT_S = 900
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_members(pgid: int) -> list[str]:
+    out = []
+    for e in Path("/proc").iterdir():
+        if not e.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(e.name)) == pgid:
+                cmd = (e / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                out.append(f"{e.name}: {cmd[:160]}")
+        except (ProcessLookupError, OSError):
+            continue
+    return out
+
+
+@pytest.mark.timeout(420)
+def test_server_kill9_then_restart_keeps_paused_sandbox_and_snapshots(server):
+    d = new_data_dir("crash")
+    key = new_api_key()
+    first = second = None
+    crashed_pgid = None
+    try:
+        first = start_extra_server(d, api_key=key, log_name="server-1.log")
+        o1 = first.sdk_opts()
+        a = Sandbox.create(timeout=TIMEOUT_S, **o1)
+        first.known_ids.add(a.sandbox_id)
+        a.files.write(f"{WORK}/a.txt", "paused across a crash\n")
+        setup_worker(a, 16)
+        b = Sandbox.create(timeout=TIMEOUT_S, **o1)
+        first.known_ids.add(b.sandbox_id)
+        b.files.write(f"{WORK}/b.txt", "in the snapshot\n")
+        snap = b.create_snapshot()
+        at_pause = read_state(a)
+        assert a.pause() is True
+        # b keeps running: its runsc sandbox outlives the server as an orphan.
+
+        crashed_pgid = first.pid
+        first.kill9()
+        survivors = _group_members(crashed_pgid)
+        print(f"after kill -9: {len(survivors)} processes left in the crashed server's group; "
+              f"runsc containers: {runsc_containers(d)}")
+
+        second = start_extra_server(d, api_key=key, log_name="server-2.log")
+        second.known_ids |= first.known_ids
+        o2 = second.sdk_opts()
+
+        # The paused sandbox resumes with its process, memory and files.
+        a2 = Sandbox.connect(a.sandbox_id, timeout=TIMEOUT_S, **o2)
+        got = ask_worker(a2)
+        assert_same_worker(got, at_pause, "paused sandbox resumed after the server crash")
+        assert a2.files.read(f"{WORK}/a.txt") == "paused across a crash\n"
+
+        # The snapshot taken before the crash still creates sandboxes.
+        c = Sandbox.create(snap.snapshot_id, timeout=TIMEOUT_S, **o2)
+        second.known_ids.add(c.sandbox_id)
+        assert c.files.read(f"{WORK}/b.txt") == "in the snapshot\n"
+        assert c.commands.run("echo ok").stdout.strip() == "ok"
+
+        # The sandbox that was running at the crash: re-adopted (and working) or cleanly gone.
+        running = {i.sandbox_id: i for i in Sandbox.list(**o2).next_items()}
+        if b.sandbox_id in running:
+            assert running[b.sandbox_id].state == SandboxState.RUNNING
+            b2 = Sandbox.connect(b.sandbox_id, **o2)
+            assert b2.files.read(f"{WORK}/b.txt") == "in the snapshot\n"
+            print("running sandbox was re-adopted after the crash")
+        else:
+            assert b.sandbox_id not in runsc_containers(d), "dropped sandbox still has a runsc container"
+            print("running sandbox was dropped after the crash")
+
+        for sid in (a.sandbox_id, b.sandbox_id, c.sandbox_id):
+            try:
+                Sandbox.kill(sid, **o2)
+            except Exception:  # noqa: BLE001
+                pass
+        assert Sandbox.delete_snapshot(snap.snapshot_id, **o2) is True
+        problems = second.stop()
+        second = None
+        assert not problems, problems
+        # Whatever of the crashed server's process group is still alive now is a leftover.
+        left = _group_members(crashed_pgid)
+        assert not left, f"processes of the crashed server still alive after restart + shutdown + gc: {left}"
+    finally:
+        for srv in (second, first):
+            if srv is not None and not srv.stopped:
+                try:
+                    srv.stop(check_leftovers=False)
+                except Exception:  # noqa: BLE001
+                    pass
+        if crashed_pgid is not None:
+            _kill_group(crashed_pgid)
+        remove_data_dir(d)
+
+
+def _s3_client(s3):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                        aws_secret_access_key=s3.secret_key, region_name="us-east-1",
+                        config=Config(s3={"addressing_style": "path"}))
+
+
+def _keys(client, bucket: str, prefix: str) -> list[str]:
+    keys = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    return keys
+
+
+@dataclass
+class S3Pair:
+    s3: object
+    bucket: str
+    prefix: str
+    a: object   # ExtraServer A (takes snapshots)
+    b: object   # ExtraServer B (fresh data dir, same store + API key)
+
+
+@pytest.fixture(scope="module")
+def s3_pair(server) -> Iterator[S3Pair]:
+    """rclone S3 + two servers on fresh data dirs sharing the store and the API key."""
+    tmp = Path(tempfile.mkdtemp(prefix="agentenv-lc-s3-", dir="/var/tmp"))
+    s3 = start_s3(tmp / "root")
+    bucket, prefix = f"lc-{secrets.token_hex(3)}", "agentenv/"
+    env = dict(AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET=bucket, AGENTENV_S3_PREFIX=prefix,
+               AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
+               AGENTENV_S3_SECRET_KEY=s3.secret_key)
+    dirs: list[Path] = []
+    servers = []
+    try:
+        key = new_api_key()
+        for tag in ("s3a", "s3b"):
+            d = new_data_dir(tag)
+            dirs.append(d)
+            servers.append(start_extra_server(d, api_key=key, env=env))
+        yield S3Pair(s3, bucket, prefix, servers[0], servers[1])
+        # Teardown proper: every server stops cleanly, gc passes, nothing is left (errors here fail).
+        problems = []
+        for srv in servers:
+            problems += srv.stop()
+        assert not problems, problems
+    finally:
+        for srv in servers:
+            if not srv.stopped:
+                try:
+                    srv.stop(check_leftovers=False)
+                except Exception:  # noqa: BLE001
+                    pass
+        s3.stop()
+        for d in dirs:
+            remove_data_dir(d)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+def test_s3_snapshot_taken_on_one_server_restores_on_another(s3_pair):
+    a_srv, b_srv, prefix, bucket = s3_pair.a, s3_pair.b, s3_pair.prefix, s3_pair.bucket
+    oa, ob = a_srv.sdk_opts(), b_srv.sdk_opts()
+    src = Sandbox.create(timeout=TIMEOUT_S, **oa)
+    a_srv.known_ids.add(src.sandbox_id)
+    try:
+        src.files.write(f"{WORK}/s3.txt", "travelled through S3\n")
+        setup_worker(src, 16)
+        at_snap = read_state(src)
+        name = f"lc-s3-{secrets.token_hex(3)}"
+        snap = src.create_snapshot(name=name)
+    finally:
+        Sandbox.kill(src.sandbox_id, **oa)
+
+    s3c = _s3_client(s3_pair.s3)
+    keys = _keys(s3c, bucket, prefix)
+    assert f"{prefix}manifests/{snap.snapshot_id}.json" in keys, keys
+    assert any(k.startswith(f"{prefix}memory/") for k in keys), keys
+    assert any(k.startswith(f"{prefix}layers/") for k in keys), keys
+
+    # Server B never saw this snapshot: it finds it in the store and downloads on demand.
+    listed = {s.snapshot_id for s in Sandbox.list_snapshots(**ob).next_items()}
+    assert snap.snapshot_id in listed, listed
+    c = Sandbox.create(snap.snapshot_id, timeout=TIMEOUT_S, **ob)
+    b_srv.known_ids.add(c.sandbox_id)
+    try:
+        assert_same_worker(ask_worker(c), at_snap, "sandbox restored on server B from S3")
+        assert c.files.read(f"{WORK}/s3.txt") == "travelled through S3\n"
+    finally:
+        Sandbox.kill(c.sandbox_id, **ob)
+    by_name = Sandbox.create(name, timeout=TIMEOUT_S, **ob)
+    b_srv.known_ids.add(by_name.sandbox_id)
+    try:
+        assert by_name.files.read(f"{WORK}/s3.txt") == "travelled through S3\n"
+    finally:
+        Sandbox.kill(by_name.sandbox_id, **ob)
+    assert Sandbox.delete_snapshot(snap.snapshot_id, **ob) is True
+    assert f"{prefix}manifests/{snap.snapshot_id}.json" not in _keys(s3c, bucket, prefix)
+
+
+@pytest.mark.timeout(300)
+def test_s3_snapshot_deleted_on_one_server_is_gone_on_the_other(s3_pair):
+    """Delete through B: A, which took (and caches) the snapshot, must not list or restore it any more."""
+    a_srv, b_srv = s3_pair.a, s3_pair.b
+    oa, ob = a_srv.sdk_opts(), b_srv.sdk_opts()
+    src = Sandbox.create(timeout=TIMEOUT_S, **oa)
+    a_srv.known_ids.add(src.sandbox_id)
+    try:
+        src.files.write(f"{WORK}/gone.txt", "x")
+        snap = src.create_snapshot(mode="filesystem")
+    finally:
+        Sandbox.kill(src.sandbox_id, **oa)
+    assert snap.snapshot_id in {s.snapshot_id for s in Sandbox.list_snapshots(**ob).next_items()}
+    assert Sandbox.delete_snapshot(snap.snapshot_id, **ob) is True
+    keys = _keys(_s3_client(s3_pair.s3), s3_pair.bucket, s3_pair.prefix)
+    assert f"{s3_pair.prefix}manifests/{snap.snapshot_id}.json" not in keys
+
+    stale = []
+    if snap.snapshot_id in {s.snapshot_id for s in Sandbox.list_snapshots(**oa).next_items()}:
+        stale.append("server A still lists the snapshot deleted through server B")
+    try:
+        ghost = Sandbox.create(snap.snapshot_id, timeout=TIMEOUT_S, **oa)
+    except Exception as e:  # noqa: BLE001 - expected: not found
+        print(f"create on A from the deleted snapshot: {type(e).__name__}: {str(e)[:200]}")
+    else:
+        a_srv.known_ids.add(ghost.sandbox_id)
+        stale.append("server A still creates sandboxes from the snapshot deleted through server B "
+                     "(from its local catalog + artifact cache)")
+        Sandbox.kill(ghost.sandbox_id, **oa)
+    assert not stale, stale
