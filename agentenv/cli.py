@@ -335,9 +335,7 @@ def gc(data_dir: str | None) -> None:
                     keep.add(rec.sandbox_id)
                 else:
                     await c.store.delete_sandbox(rec.sandbox_id)
-            removed = await c.orchestrator.gc(keep)
-            removed["cgroups"] = await c.orchestrator.runtime.cleanup_orphans(keep)
-            return removed
+            return await c.orchestrator.gc(keep)
         finally:
             reaper.cancel()
             await c.store.close()

@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     max_sandboxes: int = 200
     max_upload_bytes: int = 1024 * 1024 * 1024
     fork_max_count: int = 16
+    # How long pause/fork/snapshot wait for TCP connections inside a sandbox to close before
+    # refusing with 409 (old gVisor cannot checkpoint them; TIME_WAIT lasts 60 s).
+    capture_drain_s: float = 30.0
 
     # Host-side addressing of sandbox slots: one /30 per slot inside this /16.
     slot_subnet: str = "10.213.0.0/16"

@@ -8,10 +8,13 @@ class AgentEnvError(Exception):
 
     status: int = 500
 
-    def __init__(self, message: str, *, error_code: str | None = None, status: int | None = None):
+    def __init__(self, message: str, *, error_code: str | None = None, status: int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.error_code = error_code
+        # Extra response headers, e.g. Retry-After / Should-Retry (the E2B SDKs' retry protocol).
+        self.headers = dict(headers or {})
         if status is not None:
             self.status = status
 

@@ -93,10 +93,10 @@ def sh(cmd: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess
 
 
 def hardware() -> dict:
-    mem = Path("/proc/meminfo").read_text().split("\n")[0]
+    mem_kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "?")
-    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_total": mem.split(":")[1].strip(),
+    return {"nproc": os.cpu_count(), "cpu": cpu, "mem_total": f"{mem_kb / 1024 / 1024:.1f} GiB",
             "kernel": platform.release(), "runsc": sh(["runsc", "--version"]).stdout.strip().splitlines()[:2],
             "python": platform.python_version(), "disk_fs": sh(["stat", "-f", "-c", "%T", "/var/tmp"]).stdout.strip()}
 
@@ -249,9 +249,18 @@ class Raw:
         self.rt = GVisorRuntime(self.settings)
         self.rootfs = RootfsManager(self.settings.paths)
         self.base = (data_dir / "images" / "base" / "rootfs").resolve()
+        # The server rebuilds (and drops the old) tools layer whenever the envd sources change, which
+        # happens mid-run on a shared checkout: keep a private hard-linked copy of the current one.
         tools = sorted((t for t in (data_dir / "images" / "tools").glob("*") if t.is_dir()),
                        key=lambda t: t.stat().st_mtime)
-        self.tools = tools[-1] if tools else self.base
+        self.tools = self.root / "tools"
+        if self.tools.exists():
+            shutil.rmtree(self.tools)
+        self.root.mkdir(parents=True, exist_ok=True)
+        if tools:
+            subprocess.run(["cp", "-al", str(tools[-1]), str(self.tools)], check=True)
+        else:
+            self.tools.mkdir()
         self.live: dict[str, object] = {}  # id -> slot
         self._n = 0
         self.loop = asyncio.new_event_loop()
@@ -594,8 +603,9 @@ class Bench:
                     time.sleep(2)
                     raw[str(n)]["child_pss_MiB"] = [sandbox_pss_mb(i)[0] for i in ids]
             finally:
-                for i in ids:
-                    self.raw.run(self.raw.destroy(i))
+                async def destroy_all():
+                    await asyncio.gather(*(self.raw.destroy(i) for i in ids))
+                self.raw.run(destroy_all())
         shutil.rmtree(img, ignore_errors=True)
         # idle sandbox (fresh, not forked) for the memory comparison
         idle = self.create()

@@ -429,6 +429,7 @@ def _make_middleware(ctx: ApiContext):
                 if e.status >= 500:
                     log.error("request %s %s %s failed: %s", request_id, request.method, request.path, e.message)
                 resp = _error_response(e.status, e.to_json(), request_id)
+                resp.headers.update(e.headers)
             except web.HTTPException as e:
                 if e.status < 400:
                     raise

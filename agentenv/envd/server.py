@@ -1,5 +1,8 @@
 """envd HTTP server: routes, access-token middleware, /health /init /envs /metrics, and the runner.
 
+The app also runs the sudo-over-envd Unix socket service (`agentenv.envd.sudo`) on the same loop: at
+$AGENTENV_ENVD_SUDO_SOCKET if set (empty disables it), else /run/agentenv/sudo.sock when envd is PID 1.
+
 Checkpoint safety (gVisor): `runsc checkpoint` is refused while any non-listening TCP endpoint exists in
 the sandbox, including TIME_WAIT, which only the side that closes first enters. envd therefore never
 closes a connection first: the idle keep-alive timeout is effectively infinite, unread request bodies are
@@ -19,8 +22,9 @@ import time
 
 from aiohttp import web
 
-from agentenv.envd import filesystem, files, process
+from agentenv.envd import filesystem, files, netstat, process
 from agentenv.envd.reaper import OrphanReaper
+from agentenv.envd.sudo import SudoServer, server_socket_path
 from agentenv.envd.state import STATE_KEY, UNAUTHORIZED_MESSAGE, EnvdState, get_state
 
 log = logging.getLogger("agentenv.envd")
@@ -28,7 +32,7 @@ log = logging.getLogger("agentenv.envd")
 # Effectively "never": envd must not be the side that closes an idle connection (see module docstring).
 KEEPALIVE_TIMEOUT = 10.0**9
 LINGERING_TIME = 3600.0
-_OPEN_PATHS = {"/health", "/files", "/init"}
+_OPEN_PATHS = {"/health", "/files", "/init", "/agentenv/connections"}  # the last checks the host token
 
 _CORS = {
     "Access-Control-Allow-Origin": "*",
@@ -67,6 +71,15 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 
 async def health(request: web.Request) -> web.Response:
     return web.Response(status=204)
+
+
+async def connections(request: web.Request) -> web.Response:
+    """Host-only: TCP endpoints that would block a checkpoint (see netstat.py)."""
+    if not get_state(request).host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
+        return unauthorized()
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    busy = netstat.blocking_endpoints(exclude_remote=(peer[0], peer[1]) if peer else None)
+    return web.json_response({"connections": busy})
 
 
 async def init(request: web.Request) -> web.Response:
@@ -148,6 +161,25 @@ async def metrics(request: web.Request) -> web.Response:
     })
 
 
+SUDO_KEY: web.AppKey[SudoServer | None] = web.AppKey("envd_sudo")
+
+
+class _ReaperView:
+    """What the orphan reaper must not touch: processes of the manager and of the sudo service."""
+
+    def __init__(self, manager: process.ProcessManager, sudo: SudoServer | None) -> None:
+        self._manager = manager
+        self._sudo = sudo
+
+    @property
+    def spawning(self) -> int:
+        return self._manager.spawning + (self._sudo.spawning if self._sudo else 0)
+
+    def managed_pids(self) -> set[int]:
+        pids = self._manager.managed_pids()
+        return pids | self._sudo.managed_pids() if self._sudo else pids
+
+
 def create_app(state: EnvdState | None = None) -> web.Application:
     app = web.Application(middlewares=[access_middleware])
     app[STATE_KEY] = state or EnvdState.from_environ()
@@ -155,19 +187,31 @@ def create_app(state: EnvdState | None = None) -> web.Application:
     app[process.MANAGER_KEY] = manager
     app.router.add_get("/health", health)
     app.router.add_post("/init", init)
+    app.router.add_get("/agentenv/connections", connections)
     app.router.add_get("/envs", envs)
     app.router.add_get("/metrics", metrics)
     files.add_routes(app)
     process.add_routes(app)
     filesystem.add_routes(app)
     app.on_response_prepare.append(_cors_headers)
-    reaper = OrphanReaper(manager)
+    sudo_path = server_socket_path()
+    sudo = SudoServer(sudo_path) if sudo_path else None
+    app[SUDO_KEY] = sudo
+    reaper = OrphanReaper(_ReaperView(manager, sudo))
 
     async def on_startup(app: web.Application) -> None:
         reaper.start()
+        if sudo is not None:
+            try:
+                sudo.start()
+                log.info("sudo service listening on %s", sudo.path)
+            except OSError as exc:  # envd keeps serving; `sudo` then reports it cannot connect
+                log.warning("cannot start the sudo service on %s: %s", sudo.path, exc)
 
     async def on_cleanup(app: web.Application) -> None:
         reaper.stop()
+        if sudo is not None:
+            await sudo.stop()
         await manager.shutdown()
         app[STATE_KEY].executor.shutdown()
 

@@ -30,6 +30,7 @@ import concurrent.futures
 import errno
 import logging
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -91,6 +92,32 @@ add rule {t} postrouting iifname {w} oifname != {w} masquerade
 """
 
 
+# gVisor keeps a TCP endpoint in TIME_WAIT for 60 s after a close the guest initiated.
+GUEST_TIME_WAIT_S = 60
+# conntrack states in which the guest still holds a TCP endpoint (checkpoints fail on those).
+_GUEST_HOLDS = {"SYN_SENT", "SYN_SENT2", "SYN_RECV", "ESTABLISHED", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK"}
+_CT_LINE = re.compile(r"\btcp\s+6\s+(?P<timeout>\d+)\s+(?P<state>[A-Z_0-9]+)\s+src=(?P<src>\S+)\s+dst=(?P<dst>\S+)"
+                      r"\s+sport=(?P<sport>\d+)\s+dport=(?P<dport>\d+).*?\bmark=(?P<mark>\d+)")
+
+
+def parse_conntrack(text: str) -> list[dict]:
+    """TCP flows from /proc/net/nf_conntrack; `guest_closed_first` from the ct mark our rules set."""
+    flows = []
+    for line in text.splitlines():
+        m = _CT_LINE.search(line)
+        if m:
+            flows.append({"state": m["state"], "seconds_left": int(m["timeout"]),
+                          "flow": f"{m['src']}:{m['sport']}->{m['dst']}:{m['dport']}",
+                          "guest_closed_first": m["mark"] == "1"})
+    return flows
+
+
+def guest_blocking(flows: list[dict]) -> list[dict]:
+    """Flows for which the guest's TCP stack still has an endpoint (a gVisor checkpoint would fail)."""
+    return [f for f in flows
+            if f["state"] in _GUEST_HOLDS or (f["state"] == "TIME_WAIT" and f["guest_closed_first"])]
+
+
 def _netns_ruleset(host_ip: str) -> str:
     """Rules inside one slot's netns: DNAT host_ip -> guest, masquerade guest -> host0."""
     g = constants.GUEST_IP
@@ -105,6 +132,10 @@ table ip agentenv {{
   chain from_guest {{ type nat hook postrouting priority srcnat; policy accept;
     oifname "{NS_HOST_LINK}" ip saddr {g} masquerade
   }}
+  chain closers {{ type filter hook forward priority -5; policy accept;
+    iifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark 0 ct mark set 1
+    oifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark 0 ct mark set 2
+  }}
   chain forward_guest {{ type filter hook forward priority filter; policy drop;
     iifname "{NS_HOST_LINK}" oifname "{GATEWAY_LINK}" ip daddr {g} accept
     iifname "{GATEWAY_LINK}" oifname "{NS_HOST_LINK}" ip saddr {g} accept
@@ -118,6 +149,8 @@ _NETNS_SETUP_SH = (
     "echo 1 > /proc/sys/net/ipv4/ip_forward && "
     "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 && "
     "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
+    # conntrack's TIME_WAIT mirrors gVisor's 60 s one (see NetworkManager.blocking_flows)
+    f"echo {GUEST_TIME_WAIT_S + 1} > /proc/sys/net/netfilter/nf_conntrack_tcp_timeout_time_wait && "
     "exec nft -f -"
 )
 
@@ -323,6 +356,20 @@ class NetworkManager:
             # runsc stripped eth0's address (and with it the guest default route); the netns kernel
             # now routes everything that is not the guest /30 back to the host.
             await ns.route("replace", dst="0.0.0.0/0", gateway=slot.peer_ip, oif=host0)
+
+    async def blocking_flows(self, slot: NetSlot) -> list[dict]:
+        """TCP flows through the slot for which the guest still holds an endpoint.
+
+        gVisor's own /proc/net/tcp does not show TIME_WAIT endpoints (they have no socket any more),
+        but every guest connection crosses this netns: conntrack sees it, and the `closers` chain
+        marks which side sent the first FIN. A guest that closed first sits in TIME_WAIT for 60 s;
+        conntrack's TIME_WAIT timeout is set to match, so its countdown says when it is gone.
+        """
+        res = await run_cmd(["ip", "netns", "exec", slot.netns, "cat", "/proc/net/nf_conntrack"],
+                            timeout=CMD_TIMEOUT, check=False, what="read conntrack")
+        if res.returncode != 0:
+            raise RuntimeFailure(f"cannot read conntrack of {slot.netns}: {res.stderr.strip()[-300:]}")
+        return guest_blocking(parse_conntrack(res.stdout))
 
     async def deactivate(self, slot: NetSlot) -> None:
         """Undo activate() so the slot can take another runsc run/restore (e.g. a checkpointed

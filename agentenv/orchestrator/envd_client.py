@@ -61,3 +61,13 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
             if resp.status >= 300:
                 text = (await resp.text())[:500]
                 raise RuntimeFailure(f"envd /init failed: HTTP {resp.status}: {text}")
+
+
+async def blocking_connections(host_ip: str, *, host_token: str, timeout: float = 5.0) -> list[dict]:
+    """TCP endpoints inside the sandbox that would make a gVisor checkpoint fail (see envd/netstat.py)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        async with http.get(f"http://{host_ip}:{ENVD_PORT}/agentenv/connections",
+                            headers={"X-Agentenv-Host-Token": host_token}) as resp:
+            if resp.status != 200:
+                raise RuntimeFailure(f"envd connection check failed: HTTP {resp.status}")
+            return list((await resp.json()).get("connections", []))

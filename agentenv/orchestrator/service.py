@@ -173,10 +173,12 @@ class Orchestrator:
         known: set[str] = {r.sandbox_id for r in await self.store.list_sandboxes()}
         if self.paths.sandboxes.exists():
             known |= {p.name for p in self.paths.sandboxes.iterdir() if p.is_dir()}
-        for sid in await self.runtime.list_ids():
-            known.add(sid)
-            if sid not in keep:
-                await self.runtime.stop(sid)
+        running = set(await self.runtime.list_ids())
+        known |= running
+        for sid in sorted(known - keep):
+            # stop() is idempotent and also removes the sandbox's cgroups (a failed create leaves them).
+            await self.runtime.stop(sid)
+            if sid in running:
                 removed["containers"].append(sid)
         await self.network.discover()
         for sid in sorted(known - keep):
@@ -374,6 +376,63 @@ class Orchestrator:
         if wait:
             await asyncio.sleep(QUIESCE_DELAY_S)
 
+    async def _blocking_connections(self, rec: SandboxRecord, slot: NetSlot) -> list[dict]:
+        """TCP endpoints inside the sandbox that would make a checkpoint fail.
+
+        Two views: conntrack in the slot's netns (every connection that leaves the sandbox,
+        including TIME_WAIT, which gVisor's /proc hides) and envd's /proc/net/tcp (loopback
+        connections inside the sandbox, which never cross the netns).
+        """
+        busy = [{"what": f["flow"], "state": f["state"], "seconds_left": f["seconds_left"]
+                 if f["state"] == "TIME_WAIT" else None} for f in await self.network.blocking_flows(slot)]
+        try:
+            inside = await envd_client.blocking_connections(slot.host_ip, host_token=self._host_token)
+        except Exception as e:  # noqa: BLE001 - envd unreachable: conntrack is still authoritative
+            log.warning("envd connection check of %s failed: %s", rec.sandbox_id, e)
+            inside = []
+        busy += [{"what": f"{c['local']}->{c['remote']}", "state": c["state"], "seconds_left": None}
+                 for c in inside if c["local"].startswith(("127.", "::1")) or c["remote"].startswith(("127.", "::1"))]
+        return busy
+
+    async def _drain_connections(self, rec: SandboxRecord) -> None:
+        """Before a checkpoint: wait until the sandbox holds no TCP endpoint but listeners.
+
+        gVisor (2022 releases) refuses to checkpoint otherwise, and the refusal kills the sandbox.
+        Closing states clear by themselves (TIME_WAIT within 60 s of a close the sandbox made):
+        wait for them when that fits in `capture_drain_s`; a live connection of a user process
+        gets a short grace. Otherwise refuse with a 409 — the sandbox keeps running untouched.
+        """
+        slot = self._slots.get(rec.sandbox_id)
+        if slot is None:
+            return
+        start = time.monotonic()
+        deadline = start + self.settings.capture_drain_s
+        delay = 0.05
+        while True:
+            busy = await self._blocking_connections(rec, slot)
+            if not busy:
+                await asyncio.sleep(0.05)  # our own check connection to envd finishes closing
+                return
+            now = time.monotonic()
+            live = any(b["state"] in ("ESTABLISHED", "SYN_SENT", "SYN_SENT2", "SYN_RECV") for b in busy)
+            longest = max((b["seconds_left"] or 0) for b in busy)
+            hopeless = (live and now >= start + 3.0) or (not live and now + longest > deadline + 1)
+            if now >= deadline or hopeless:
+                shown = ", ".join(f"{b['what']} {b['state']}" for b in busy[:5])
+                more = f" and {len(busy) - 5} more" if len(busy) > 5 else ""
+                hint = (f"retry in {longest + 1} s, when they have timed out" if not live
+                        else "close them (they belong to processes in the sandbox) and retry")
+                log.info("refusing to checkpoint %s: %d TCP endpoints (%s)", rec.sandbox_id, len(busy), shown)
+                # 503 + Retry-After: the SDKs wait and retry by themselves when it fits their deadline.
+                headers = ({"Retry-After": str(longest + 1), "Should-Retry": "true"} if not live
+                           else {"Should-Retry": "false"})
+                raise Unavailable(
+                    f"Sandbox {rec.sandbox_id} has open TCP connections ({shown}{more}); this gVisor release "
+                    f"cannot save a sandbox's memory while they exist: {hint}",
+                    error_code="sandbox_has_open_connections", headers=headers)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
     async def kill_sandbox(self, sandbox_id: str, *, team_id: str | None) -> None:
         self._get_live(sandbox_id, team_id)
         async with self.lifecycle.lock(sandbox_id):
@@ -480,8 +539,14 @@ class Orchestrator:
             rec.state = SandboxState.PAUSING
             ckpt = self._checkpoint_dir(sandbox_id)
             shutil.rmtree(ckpt, ignore_errors=True)
+            await self._quiesce(sandbox_id)
+            if memory:
+                try:
+                    await self._drain_connections(rec)
+                except (Conflict, Unavailable):
+                    rec.state = SandboxState.RUNNING
+                    raise
             try:
-                await self._quiesce(sandbox_id)
                 if memory:
                     await self.runtime.checkpoint(sandbox_id, ckpt)
                 else:
@@ -550,9 +615,10 @@ class Orchestrator:
         tmp_image = self.paths.sandbox_dir(sid) / "capture"
         shutil.rmtree(tmp_image, ignore_errors=True)
         slot = self._slots[sid]
+        t0 = time.monotonic()
+        await self._quiesce(sid)
+        await self._drain_connections(rec)  # Unavailable: nothing happened, the caller resets the state
         try:
-            t0 = time.monotonic()
-            await self._quiesce(sid)
             await self.runtime.checkpoint(sid, tmp_image)
             t_ckpt = time.monotonic() - t0
             await self.rootfs.unmount(sid)
@@ -606,7 +672,11 @@ class Orchestrator:
             _, final = check(rec.state, "fork", sandbox_id)
             rec.state = SandboxState.FORKING
             t0 = time.monotonic()
-            mem = await self._capture(rec)
+            try:
+                mem = await self._capture(rec)
+            except (Conflict, Unavailable):
+                rec.state = SandboxState.RUNNING
+                raise
             rec.state = final
             await self.store.put_sandbox(rec)
             source_back = time.monotonic() - t0
@@ -653,7 +723,11 @@ class Orchestrator:
             rec = self._get_live(sandbox_id, team_id)
             _, final = check(rec.state, "snapshot", sandbox_id)
             rec.state = SandboxState.SNAPSHOTTING
-            mem = await self._capture(rec)
+            try:
+                mem = await self._capture(rec)
+            except (Conflict, Unavailable):
+                rec.state = SandboxState.RUNNING
+                raise
             rec.state = final
             await self.store.put_sandbox(rec)
         try:
@@ -676,7 +750,13 @@ class Orchestrator:
         return snap
 
     async def _find_snapshot(self, id_or_name: str, team_id: str | None) -> SnapshotRecord | None:
+        """The snapshot store's manifest is the truth (other nodes may have deleted or added one);
+        the local catalog is only a cache of it."""
         snap = await self.store.get_snapshot(id_or_name)
+        if snap is not None and await self.artifacts.store.get_manifest(snap.snapshot_id) is None:
+            log.info("snapshot %s was deleted from the store elsewhere; dropping it here", snap.snapshot_id)
+            await self.store.delete_snapshot(snap.snapshot_id)
+            snap = None
         if snap is None:
             snap = await self.artifacts.find_manifest(id_or_name)
             if snap is not None:
@@ -687,11 +767,14 @@ class Orchestrator:
 
     async def list_snapshots(self, *, team_id: str, sandbox_id: str | None = None,
                              name: str | None = None) -> list[SnapshotRecord]:
-        by_id = {s.snapshot_id: s for s in await self.store.list_snapshots(team_id=team_id)}
+        by_id: dict[str, SnapshotRecord] = {}
         for m in await self.artifacts.store.list_manifests():
             s = SnapshotRecord.from_manifest(m)
             if s.team_id == team_id:
-                by_id.setdefault(s.snapshot_id, s)
+                by_id[s.snapshot_id] = s
+        for s in await self.store.list_snapshots(team_id=team_id):
+            if s.snapshot_id not in by_id:  # deleted from the store by another node
+                await self.store.delete_snapshot(s.snapshot_id)
         out = [s for s in by_id.values()
                if (sandbox_id is None or s.source_sandbox_id == sandbox_id)
                and (name is None or name == s.snapshot_id or name in s.names)]

@@ -234,6 +234,10 @@ class GVisorRuntime:
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Stop our containers not in `keep` and remove empty agentenv cgroups left by failed creates.
 
+        HOST-WIDE for cgroups: only safe when no other agentenv server runs on the host (a sandbox
+        another server is creating has an empty cgroup for a moment). The orchestrator's gc scopes
+        cleanup to its own data dir instead and does not call this.
+
         Cgroups are host-wide (shared with other data dirs): only empty ones of ids that runsc does
         not know are removed, rmdir refuses a cgroup that still has processes anyway.
         """

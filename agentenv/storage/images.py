@@ -201,6 +201,7 @@ class ImageStore:
         target = self.images_dir / BASE_IMAGE
         if (target / "manifest.json").is_file():
             ensure_preload(target / "rootfs")  # images cached before the shim existed
+            ensure_sudo_shim(target / "rootfs")  # ... or before sudo over envd existed
             return target / "rootfs"
         self.images_dir.mkdir(parents=True, exist_ok=True)
         if progress:
@@ -278,6 +279,7 @@ class ImageStore:
         sudoers.chmod(0o440)
         await run(chroot + ["visudo", "-c", "-f", f"/etc/sudoers.d/{constants.DEFAULT_USER}"],
                   timeout=CHROOT_TIMEOUT, log=logfile)
+        ensure_sudo_shim(rootfs)  # gVisor forces no_new_privs: setuid /usr/bin/sudo cannot elevate
         (rootfs / "etc/hostname").write_text(HOSTNAME + "\n")
         (rootfs / "etc/hosts").write_text(
             f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n"
@@ -367,3 +369,49 @@ def ensure_preload(rootfs: Path) -> None:
     current = f.read_text().splitlines() if f.exists() else []
     if line not in current:
         f.write_text("\n".join([*current, line]) + "\n")
+
+
+SUDO_SHIM_PATH = "usr/local/bin/sudo"
+_SUDO_SHIM_MARKER = "# agentenv sudo shim"
+
+
+def sudo_shim_text() -> str:
+    """/usr/local/bin/sudo: runs `agentenv.envd.sudo` (sudo over envd) with the tools layer's interpreter."""
+    from agentenv.storage.tools import envd_argv
+
+    argv = envd_argv()
+    argv = [a for a in argv[: argv.index("-m")] if a != "-u"] + ["-m", "agentenv.envd.sudo"]
+    return (
+        "#!/bin/sh\n"
+        f"{_SUDO_SHIM_MARKER}: gVisor sets no_new_privs on every process, so the setuid /usr/bin/sudo cannot\n"
+        "# elevate; envd (root) runs the command instead, see agentenv/envd/sudo.py. /usr/bin/sudo is untouched.\n"
+        f"exec {' '.join(argv)} \"$@\"\n"
+    )
+
+
+def ensure_sudo_shim(rootfs: Path) -> None:
+    """Install /usr/local/bin/sudo -> sudo over envd in an image (idempotent).
+
+    /usr/local/bin precedes /usr/bin in every PATH the sandbox sets up, so `sudo` resolves to the shim;
+    the real sudo stays at /usr/bin/sudo (it works only on gVisor releases that honour the OCI
+    `noNewPrivileges: false`). A /usr/local/bin/sudo that is not our shim is left alone. The file is
+    replaced by rename, never rewritten in place (image trees may share inodes through hard links).
+    """
+    f = rootfs / SUDO_SHIM_PATH
+    text = sudo_shim_text()
+    try:
+        current = f.read_text(errors="replace")
+    except FileNotFoundError:
+        current = None
+    except OSError:
+        return
+    if current == text and (f.stat().st_mode & 0o777) == 0o755:
+        return
+    if current is not None and _SUDO_SHIM_MARKER not in current:
+        log.warning("%s exists and is not agentenv's sudo shim; leaving it alone", f)
+        return
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_name(f".sudo.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.rename(tmp, f)

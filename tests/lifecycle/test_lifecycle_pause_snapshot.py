@@ -8,7 +8,7 @@ import time
 import pytest
 import requests
 from e2b import Sandbox, SandboxQuery, SandboxState
-from e2b.exceptions import NotFoundException, SandboxException
+from e2b.exceptions import NotFoundException, SandboxException, ServiceBusyException
 
 from lifecycle_util import (WORK, ask_worker, assert_same_worker, kill_quietly, read_state, setup_worker,
                             worker_processes)
@@ -86,7 +86,9 @@ def test_pause_right_after_traffic_to_a_user_server(server, tracker):
     assert r.status_code == 200, (r.status_code, r.text)
     try:
         paused = sbx.pause()
-    except SandboxException as e:
+    except (SandboxException, ServiceBusyException) as e:
+        # Refused (503, Retry-After) because the guest holds a TIME_WAIT endpoint: say so, keep running.
+        assert "open TCP connections" in str(e), str(e)[:300]
         info = None
         try:
             info = Sandbox.get_info(sbx.sandbox_id)
