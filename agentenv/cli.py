@@ -271,10 +271,14 @@ def sandbox() -> None:
 
 
 @sandbox.command("list")
+@click.option("--json", "as_json", is_flag=True, help="print the API's JSON (for scripts)")
 @_with_api_opts
-def sandbox_list(api_url, api_key) -> None:
+def sandbox_list(as_json, api_url, api_key) -> None:
     url, h = _api(api_url, api_key)
     rows = _call("GET", f"{url}/v2/sandboxes", h) or []
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
     table = Table()
     for c in ("sandboxID", "templateID", "state", "startedAt", "endAt", "metadata"):
         table.add_column(c)
@@ -302,6 +306,97 @@ def sandbox_kill(sandbox_ids, api_url, api_key) -> None:
     for sid in sandbox_ids:
         _call("DELETE", f"{url}/sandboxes/{sid}", h)
         click.echo(f"killed {sid}")
+
+
+@sandbox.command("fork")
+@click.argument("sandbox_id")
+@click.option("--count", type=int, default=1, show_default=True, help="children to start from one capture")
+@click.option("--timeout", type=int, default=None, help="children's TTL in seconds (server default if unset)")
+@_with_api_opts
+def sandbox_fork(sandbox_id, count, timeout, api_url, api_key) -> None:
+    """Fork a running sandbox into COUNT children that continue from its exact state."""
+    url, h = _api(api_url, api_key)
+    body: dict = {"count": count}
+    if timeout is not None:
+        body["timeout"] = timeout
+    results = _call("POST", f"{url}/sandboxes/{sandbox_id}/fork", h, body) or []
+    failed = 0
+    for r in results:
+        if r.get("sandbox"):
+            click.echo(r["sandbox"]["sandboxID"])
+        else:
+            failed += 1
+            console.print(f"[red]child failed:[/] {r.get('error', {}).get('message')}")
+    if failed:
+        sys.exit(1)
+
+
+@sandbox.command("pause")
+@click.argument("sandbox_id")
+@_with_api_opts
+def sandbox_pause(sandbox_id, api_url, api_key) -> None:
+    """Pause (checkpoint memory + filesystem, release CPU and memory)."""
+    url, h = _api(api_url, api_key)
+    _call("POST", f"{url}/sandboxes/{sandbox_id}/pause", h, {})
+    click.echo(f"paused {sandbox_id}")
+
+
+@sandbox.command("resume")
+@click.argument("sandbox_id")
+@click.option("--timeout", type=int, default=300, show_default=True)
+@_with_api_opts
+def sandbox_resume(sandbox_id, timeout, api_url, api_key) -> None:
+    url, h = _api(api_url, api_key)
+    _call("POST", f"{url}/v2/sandboxes/{sandbox_id}/connect", h, {"timeout": timeout})
+    click.echo(f"running {sandbox_id}")
+
+
+@main.group()
+def snapshot() -> None:
+    """Snapshots of sandboxes (memory + filesystem layers) on a running server."""
+
+
+@snapshot.command("create")
+@click.argument("sandbox_id")
+@click.option("--name", default=None)
+@click.option("--filesystem-only", is_flag=True, help="keep files only (sandboxes from it boot fresh)")
+@_with_api_opts
+def snapshot_create(sandbox_id, name, filesystem_only, api_url, api_key) -> None:
+    url, h = _api(api_url, api_key)
+    body: dict = {"memory": not filesystem_only}
+    if name:
+        body["name"] = name
+    r = _call("POST", f"{url}/sandboxes/{sandbox_id}/snapshots", h, body)
+    click.echo(r["snapshotID"])
+
+
+@snapshot.command("list")
+@click.option("--sandbox", "sandbox_id", default=None)
+@click.option("--json", "as_json", is_flag=True, help="print the API's JSON (for scripts)")
+@_with_api_opts
+def snapshot_list(sandbox_id, as_json, api_url, api_key) -> None:
+    url, h = _api(api_url, api_key)
+    q = f"?sandboxID={sandbox_id}" if sandbox_id else ""
+    if as_json:
+        click.echo(json.dumps(_call("GET", f"{url}/snapshots{q}", h) or [], indent=1))
+        return
+    table = Table()
+    for c in ("snapshotID", "names", "source", "sizeBytes", "createdAt"):
+        table.add_column(c)
+    for r in _call("GET", f"{url}/snapshots{q}", h) or []:
+        table.add_row(r["snapshotID"], ", ".join(r.get("names") or []), str(r.get("sourceSandboxID") or ""),
+                      str(r.get("sizeBytes", "")), str(r.get("createdAt", "")))
+    Console().print(table)
+
+
+@snapshot.command("delete")
+@click.argument("snapshot_ids", nargs=-1, required=True)
+@_with_api_opts
+def snapshot_delete(snapshot_ids, api_url, api_key) -> None:
+    url, h = _api(api_url, api_key)
+    for sid in snapshot_ids:
+        _call("DELETE", f"{url}/snapshots/{sid}", h)
+        click.echo(f"deleted {sid}")
 
 
 # ---------------------------------------------------------------- gc

@@ -122,7 +122,8 @@ def test_sudo_in_a_pty(sbx: Sandbox):
         sbx.pty.send_stdin(handle.pid, b"sudo sh -c 'test -t 0 && test -t 1 && echo tty-$(id -u)-ok'\n")
         wait_until(lambda: "tty-0-ok" in text(), "sudo output in the PTY", limit=30)
         sbx.pty.send_stdin(handle.pid, b"sudo sh -c 'read x; echo got-$x-$(id -u)'\n")
-        wait_until(lambda: text().count("read x") >= 2, "the command line echo", limit=30)
+        wait_until(lambda: sbx.commands.run("pgrep -f '^sh -c read x' || true").stdout.strip(),
+                   "the sudo'd shell to start", limit=30)
         sbx.pty.send_stdin(handle.pid, b"typed\n")
         wait_until(lambda: "got-typed-0" in text(), "sudo reading the terminal", limit=30)
         sbx.pty.send_stdin(handle.pid, b"exit 0\n")
@@ -144,3 +145,30 @@ def test_signals_to_sudo_reach_the_command(sbx: Sandbox):
         handle.wait()
     assert info.value.exit_code == 128 + 2
     assert sbx.commands.run(f"pgrep -f '^sleep {token}' || true").stdout == ""
+
+
+def test_sudo_survives_pause_and_resume(sandbox_factory):
+    """envd's listening Unix socket (and sockets of finished sudo calls) must not block a checkpoint."""
+    sbx = sandbox_factory.create()
+    assert sbx.commands.run("sudo whoami").stdout == "root\n"
+    assert sbx.pause() is True
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    assert resumed.commands.run("sudo whoami").stdout == "root\n"
+    assert resumed.commands.run("echo again | sudo cat").stdout == "again\n"
+
+
+def test_pause_with_a_sudo_command_running(sandbox_factory):
+    sbx = sandbox_factory.create()
+    token = f"44.{secrets.randbelow(10**8):08d}"
+    handle = sbx.commands.run(f"sudo sh -c 'sleep {token}; exit 5'", background=True)
+    wait_until(lambda: sbx.commands.run(f"pgrep -f '^sleep {token}' || true").stdout.strip(),
+               "the sudo'd sleep to start", limit=30)
+    pid = handle.pid
+    handle.disconnect()
+    assert sbx.pause() is True
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    assert resumed.commands.run(f"pgrep -f '^sleep {token}' || true").stdout.strip()
+    resumed.commands.run(f"sudo pkill -f '^sleep {token}'")
+    with pytest.raises(CommandExitException) as info:
+        resumed.commands.connect(pid).wait()
+    assert info.value.exit_code == 5
