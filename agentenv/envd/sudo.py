@@ -536,11 +536,17 @@ class SudoServer:
         task.add_done_callback(self.tasks.discard)
 
     def signal_child(self, pid: int, sig: int) -> None:
-        for target in (-pid, pid):  # the command's process group, then the command itself
-            try:
-                os.kill(target, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        """Signal the command's process group (it leads one: own session), like a terminal would;
+        the command alone if that group is gone. Never both: a second SIGINT often means "force"."""
+        try:
+            os.killpg(pid, sig)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     async def _reply(self, conn: _Conn, msg: dict) -> None:
         if conn.closed:

@@ -8,8 +8,10 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
+import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +124,7 @@ def mounts_under(base: Path) -> list[str]:
     return sorted(pts, key=lambda p: p.count("/"), reverse=True)
 
 
+log = logging.getLogger(__name__)
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -135,15 +138,26 @@ def mount(source: str, target: str, fstype: str, data: str, flags: int = 0) -> N
         raise OSError(e, f"mount -t {fstype} {target}: {os.strerror(e)}")
 
 
-def umount(target: str) -> None:
-    """Unmount; falls back to a lazy detach when busy. Not mounted is fine (idempotent)."""
+def umount(target: str, busy_wait: float = 3.0) -> None:
+    """Unmount; falls back to a lazy detach when still busy after `busy_wait` s. Idempotent.
+
+    Busy is usually transient (runsc's gofer still exiting). A lazily detached overlay keeps its
+    upper/work dirs in use, and mounting them again (resume, capture) is undefined behaviour in
+    overlayfs, so a real unmount is worth waiting a moment for.
+    """
     t = target.encode()
-    if _libc.umount2(t, 0) == 0:
-        return
-    e = ctypes.get_errno()
-    if e in (errno.EINVAL, errno.ENOENT):
-        return
+    deadline = time.monotonic() + busy_wait
+    while True:
+        if _libc.umount2(t, 0) == 0:
+            return
+        e = ctypes.get_errno()
+        if e in (errno.EINVAL, errno.ENOENT):
+            return
+        if e != errno.EBUSY or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     if e == errno.EBUSY and _libc.umount2(t, MNT_DETACH) == 0:
+        log.warning("%s stayed busy for %.1fs; detached it lazily", target, busy_wait)
         return
     e = ctypes.get_errno()
     raise OSError(e, f"umount {target}: {os.strerror(e)}")

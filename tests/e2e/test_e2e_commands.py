@@ -199,7 +199,7 @@ def test_pty_input_and_resize(sbx: Sandbox):
         sbx.pty.resize(handle.pid, PtySize(rows=40, cols=123))
         sbx.pty.send_stdin(handle.pid, b"stty size; tty\n")
         wait_until(lambda: "40 123" in reader.text(), "stty size after resize")
-        assert "/dev/pts/" in reader.text()
+        wait_until(lambda: "/dev/pts/" in reader.text(), "tty naming the PTY")  # may arrive in a later chunk
         sbx.pty.send_stdin(handle.pid, b"exit 0\n")
         reader.thread.join(timeout=60)
         assert not reader.thread.is_alive(), "PTY did not end after exit"
