@@ -19,9 +19,7 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ import pytest
 import requests
 
 from leftovers import agentenv_netns, assert_no_leftovers, find_leftovers, mounts_under
+from serverproc import _group_alive, agentenv_executable, free_port, log_tail
 
 DEFAULT_DATA_DIR = "/var/tmp/agentenv-test"
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
@@ -59,31 +58,10 @@ class Server:
         return log_tail(self.log_path, lines)
 
 
-def log_tail(path: Path, lines: int = 80) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError as e:
-        return f"<no server log at {path}: {e}>"
-    return "\n".join(text.splitlines()[-lines:])
 
 
-def agentenv_executable() -> str:
-    override = os.environ.get("AGENTENV_TEST_BIN")
-    if override:
-        return override
-    candidate = Path(sys.prefix) / "bin" / "agentenv"
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which("agentenv")
-    if found:
-        return found
-    pytest.fail("agentenv executable not found (run scripts/setup.sh --test)")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_gc(agentenv: str, data_dir: Path) -> subprocess.CompletedProcess:
@@ -149,14 +127,6 @@ def ignorable_netns(data_dir: Path, log_path: Path, preexisting: frozenset[str],
     return frozenset(ignore)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:

@@ -13,11 +13,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from serverproc import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
 
 
 def rclone_binary() -> str:

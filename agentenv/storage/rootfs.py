@@ -21,7 +21,7 @@ from pathlib import Path
 from agentenv.config import Paths
 from agentenv.constants import TOOLS_MOUNT
 from agentenv.errors import BadRequest, NotFound, RuntimeFailure
-from agentenv.storage._util import mount, mounts_under, read_mountinfo, run, umount, umount_all_under
+from agentenv.storage._util import mount, mounts_under, read_mountinfo, run, umount_all_under
 
 log = logging.getLogger(__name__)
 
