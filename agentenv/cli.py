@@ -96,11 +96,15 @@ def serve(host: str | None, port: int | None, data_dir: str | None) -> None:
 
     settings = _settings(data_dir, host=host, port=port)
     _require_root()
+    from agentenv.server import StartupError
+
     with server_lock(settings), _progress() as cb:
         try:
             asyncio.run(run(settings, progress=cb))
         except KeyboardInterrupt:
             pass
+        except StartupError as e:
+            raise click.ClickException(str(e)) from None
 
 
 def _require_root() -> None:

@@ -94,60 +94,78 @@ def _print_banner(settings: Settings, api_key: str | None) -> None:
     print("\n".join(lines), flush=True)
 
 
+class StartupError(Exception):
+    """The server could not start (port in use, ...): a message for the user, no traceback."""
+
+
+async def _bootstrap_key(c: Components, settings: Settings) -> str | None:
+    """The key to print: the configured bootstrap key, or one created on the very first start."""
+    if settings.bootstrap_api_key:
+        await c.auth.ensure_key(settings.bootstrap_api_key, "bootstrap")
+        return settings.bootstrap_api_key
+    key_file = settings.data_dir / "api-key"
+    if not await c.auth.list_keys():
+        api_key, _ = await c.auth.create_key("default")
+        key_file.write_text(api_key + "\n")
+        os.chmod(key_file, 0o600)
+        return api_key
+    return key_file.read_text().strip() if key_file.exists() else None
+
+
 async def serve(settings: Settings, *, progress=None) -> None:
+    from agentenv.proxy import LISTENER_OPTIONS
     from agentenv.runtimes._reaper import become_subreaper, reap_forever
 
     become_subreaper()
     reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
     c = await build(settings)
-    # Images first: the first create must not pay for a debootstrap.
-    await c.images.ensure_base(progress)
-    await c.images.ensure_tools(progress)
-    api_key = settings.bootstrap_api_key
-    if api_key:
-        await c.auth.ensure_key(api_key, "bootstrap")
-    else:
-        keys = await c.auth.list_keys()
-        if not keys:
-            api_key, _ = await c.auth.create_key("default")
-            key_file = settings.data_dir / "api-key"
-            key_file.write_text(api_key + "\n")
-            os.chmod(key_file, 0o600)
-        else:
-            key_file = settings.data_dir / "api-key"
-            api_key = key_file.read_text().strip() if key_file.exists() else None
-    await c.orchestrator.start()
-
-    app = make_app(c)
-    from agentenv.proxy import LISTENER_OPTIONS
-
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, **LISTENER_OPTIONS)
-    await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
-    await site.start()
-    _print_banner(settings, api_key)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    server_pid = os.getpid()
-
-    # Not loop.add_signal_handler: it routes signals through a wakeup fd that forked helpers
-    # (pyroute2's netns workers) inherit, so a SIGTERM sent to such a child would stop the server.
-    def on_signal(signum, _frame) -> None:
-        if os.getpid() == server_pid:
-            log.info("received %s", signal.Signals(signum).name)
-            loop.call_soon_threadsafe(stop.set)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    runner: web.AppRunner | None = None
+    site: web.TCPSite | None = None
+    started = False
     try:
+        # Images first: the first create must not pay for a debootstrap.
+        await c.images.ensure_base(progress)
+        await c.images.ensure_tools(progress)
+        api_key = await _bootstrap_key(c, settings)
+        await c.orchestrator.start()
+        started = True
+
+        runner = web.AppRunner(make_app(c), access_log=None, handle_signals=False, **LISTENER_OPTIONS)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+        try:
+            await site.start()
+        except OSError as e:
+            site = None
+            raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e} "
+                               "(set AGENTENV_PORT / --port to another port)") from e
+        _print_banner(settings, api_key)
+
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        server_pid = os.getpid()
+
+        # Not loop.add_signal_handler: it routes signals through a wakeup fd that forked helpers
+        # (pyroute2's netns workers) inherit, so a SIGTERM sent to such a child would stop the server.
+        def on_signal(signum, _frame) -> None:
+            if os.getpid() == server_pid:
+                log.info("received %s", signal.Signals(signum).name)
+                loop.call_soon_threadsafe(stop.set)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, on_signal)
         await stop.wait()
     finally:
+        # Runs on every exit, including a failed start: an unclosed store would keep its worker
+        # thread alive and the process would never exit.
         log.info("shutting down")
-        await site.stop()
-        await c.orchestrator.stop()
+        if site is not None:
+            await site.stop()
+        if started:
+            await c.orchestrator.stop()
         await c.proxy.close()
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
         await c.store.close()
         reaper.cancel()
 
