@@ -31,7 +31,29 @@ def _settings(data_dir: str | None = None, **kw) -> Settings:
 
 @contextlib.contextmanager
 def _progress() -> Iterator:
-    """A rich progress bar fed by the image store's (message, fraction) callbacks."""
+    """A rich progress bar fed by the image store's (message, fraction) callbacks.
+
+    Without a terminal (CI logs, systemd) a live bar renders nothing useful: print a line per
+    stage and per 10 % step instead.
+    """
+    if not console.is_terminal:
+        import time
+
+        last: dict[str, float] = {}
+        printed = {"at": 0.0, "message": ""}
+
+        def plain(message: str, fraction: float | None) -> None:
+            stage = message.split(":", 1)[0]
+            step = -1.0 if fraction is None else int(fraction * 10) / 10
+            now = time.monotonic()
+            if last.get(stage) != step or (message != printed["message"] and now - printed["at"] > 5):
+                last[stage] = step
+                printed.update(at=now, message=message)
+                pct = "" if fraction is None else f" [{fraction * 100:3.0f}%]"
+                console.print(f"{message}{pct}", highlight=False, soft_wrap=True)
+
+        yield plain
+        return
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   TimeElapsedColumn(), console=console, transient=False) as prog:
         tasks: dict[str, int] = {}
