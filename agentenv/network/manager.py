@@ -98,24 +98,42 @@ GUEST_TIME_WAIT_S = 60
 _GUEST_HOLDS = {"SYN_SENT", "SYN_SENT2", "SYN_RECV", "ESTABLISHED", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK"}
 _CT_LINE = re.compile(r"\btcp\s+6\s+(?P<timeout>\d+)\s+(?P<state>[A-Z_0-9]+)\s+src=(?P<src>\S+)\s+dst=(?P<dst>\S+)"
                       r"\s+sport=(?P<sport>\d+)\s+dport=(?P<dport>\d+).*?\bmark=(?P<mark>\d+)")
+# ct mark bits set by the `closers` chain
+_GUEST_FIN = 0x1           # the guest sent a FIN
+_REMOTE_FIN_FIRST = 0x2    # the other side's FIN passed before any FIN of the guest
 
 
 def parse_conntrack(text: str) -> list[dict]:
-    """TCP flows from /proc/net/nf_conntrack; `guest_closed_first` from the ct mark our rules set."""
+    """TCP flows from /proc/net/nf_conntrack, with what the `closers` ct mark bits say."""
     flows = []
     for line in text.splitlines():
         m = _CT_LINE.search(line)
         if m:
+            mark = int(m["mark"])
+            inbound = m["dst"] != constants.GUEST_IP and m["src"] != constants.GUEST_IP  # host -> slot DNAT
             flows.append({"state": m["state"], "seconds_left": int(m["timeout"]),
                           "flow": f"{m['src']}:{m['sport']}->{m['dst']}:{m['dport']}",
-                          "guest_closed_first": m["mark"] == "1"})
+                          "guest_fin": bool(mark & _GUEST_FIN),
+                          "remote_fin_first": bool(mark & _REMOTE_FIN_FIRST),
+                          "envd_inbound": inbound and m["dport"] == str(constants.ENVD_PORT)})
     return flows
 
 
 def guest_blocking(flows: list[dict]) -> list[dict]:
-    """Flows for which the guest's TCP stack still has an endpoint (a gVisor checkpoint would fail)."""
-    return [f for f in flows
-            if f["state"] in _GUEST_HOLDS or (f["state"] == "TIME_WAIT" and f["guest_closed_first"])]
+    """Flows for which the guest's TCP stack may still hold an endpoint (a gVisor checkpoint would fail).
+
+    TIME_WAIT belongs to whoever closed first, and in a simultaneous close (an HTTP/1.0 server and
+    our proxy closing at once) to both — while the netns may see either FIN first. So a guest that
+    sent any FIN is presumed to be in TIME_WAIT, except on envd's port: envd never closes first.
+    Over-blocking costs a Retry-After; under-blocking would cost the sandbox.
+    """
+    out = []
+    for f in flows:
+        if f["state"] in _GUEST_HOLDS:
+            out.append(f)
+        elif f["state"] == "TIME_WAIT" and f["guest_fin"] and not (f["remote_fin_first"] and f["envd_inbound"]):
+            out.append(f)
+    return out
 
 
 def _netns_ruleset(host_ip: str) -> str:
@@ -133,8 +151,8 @@ table ip agentenv {{
     oifname "{NS_HOST_LINK}" ip saddr {g} masquerade
   }}
   chain closers {{ type filter hook forward priority -5; policy accept;
-    iifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark 0 ct mark set 1
-    oifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark 0 ct mark set 2
+    iifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark set ct mark | 0x1
+    oifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark & 0x1 == 0x0 ct mark set ct mark | 0x2
   }}
   chain forward_guest {{ type filter hook forward priority filter; policy drop;
     iifname "{NS_HOST_LINK}" oifname "{GATEWAY_LINK}" ip daddr {g} accept
