@@ -48,7 +48,7 @@ class Settings(BaseSettings):
     max_timeout_s: int = 24 * 3600
     max_sandboxes: int = 200
     max_upload_bytes: int = 1024 * 1024 * 1024
-    fork_max_count: int = 16
+    fork_max_count: int = Field(default=16, ge=1, le=100)  # children per fork call (E2B allows up to 100)
     # How long pause/fork/snapshot wait for TCP connections inside a sandbox to close before
     # refusing with 409 (old gVisor cannot checkpoint them; TIME_WAIT lasts 60 s).
     capture_drain_s: float = 30.0
