@@ -639,6 +639,26 @@ class Orchestrator:
         await self.store.put_sandbox(rec)
         return mem
 
+    async def _locked_capture(self, sandbox_id: str, team_id: str | None, op: str) -> tuple[SandboxRecord, str]:
+        """Under the sandbox's lock: check `op` is legal, capture, and land in its final state.
+
+        A refusal before anything happened (open TCP connections) leaves the sandbox as it was.
+        Returns the record and the pinned memory digest (the caller unpins it).
+        """
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self._get_live(sandbox_id, team_id)
+            transient, final = check(rec.state, op, sandbox_id)
+            before = rec.state
+            rec.state = transient
+            try:
+                mem = await self._capture(rec)
+            except (Conflict, Unavailable):
+                rec.state = before
+                raise
+            rec.state = final
+            await self.store.put_sandbox(rec)
+            return rec, mem
+
     def _pin(self, digest: str) -> None:
         self._pinned_memory[digest] = self._pinned_memory.get(digest, 0) + 1
 
@@ -667,19 +687,9 @@ class Orchestrator:
         self._check_timeout(timeout)
         self._get_live(sandbox_id, team_id)
         self._admit(count)
-        async with self.lifecycle.lock(sandbox_id):
-            rec = self._get_live(sandbox_id, team_id)
-            _, final = check(rec.state, "fork", sandbox_id)
-            rec.state = SandboxState.FORKING
-            t0 = time.monotonic()
-            try:
-                mem = await self._capture(rec)
-            except (Conflict, Unavailable):
-                rec.state = SandboxState.RUNNING
-                raise
-            rec.state = final
-            await self.store.put_sandbox(rec)
-            source_back = time.monotonic() - t0
+        t0 = time.monotonic()
+        rec, mem = await self._locked_capture(sandbox_id, team_id, "fork")
+        source_back = time.monotonic() - t0
         try:
             children = [self._child_of(rec, timeout) for _ in range(count)]
             mem_dir = self.artifacts.memory_dir(mem)
@@ -719,17 +729,7 @@ class Orchestrator:
         if name is not None and not (0 < len(name) <= 128 and name.isprintable()):
             raise BadRequest("snapshot name must be 1-128 printable characters")
         self._get_live(sandbox_id, team_id)
-        async with self.lifecycle.lock(sandbox_id):
-            rec = self._get_live(sandbox_id, team_id)
-            _, final = check(rec.state, "snapshot", sandbox_id)
-            rec.state = SandboxState.SNAPSHOTTING
-            try:
-                mem = await self._capture(rec)
-            except (Conflict, Unavailable):
-                rec.state = SandboxState.RUNNING
-                raise
-            rec.state = final
-            await self.store.put_sandbox(rec)
+        rec, mem = await self._locked_capture(sandbox_id, team_id, "snapshot")
         try:
             size = sum(self.artifacts.local._blob("layers", d).stat().st_size for d in rec.layers)
             if memory:
