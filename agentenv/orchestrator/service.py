@@ -14,6 +14,8 @@ what changed since the previous one, and every child shares the same layers.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import os
 import secrets
@@ -92,6 +94,7 @@ class Orchestrator:
         self._reaper: asyncio.Task | None = None
         self._creating = 0
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
+        self._warm_building: dict[str, asyncio.Task] = {}
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list = []
 
@@ -117,8 +120,16 @@ class Orchestrator:
         await self._reconcile()
         await self.gc_artifacts()
         self._reaper = asyncio.create_task(self._reap_loop(), name="ttl-reaper")
+        if self.settings.warm_start:
+            tools = await self.images.ensure_tools()
+            for tmpl in await self.store.list_templates():
+                if self._warm_meta(tmpl, self._warm_key(tmpl, tools)) is None:
+                    self._build_warm_soon(tmpl)
 
     async def stop(self, *, kill_running: bool = True) -> None:
+        for task in list(self._warm_building.values()):
+            task.cancel()
+        await asyncio.gather(*self._warm_building.values(), return_exceptions=True)
         if self._reaper:
             self._reaper.cancel()
             try:
@@ -191,8 +202,8 @@ class Orchestrator:
 
     async def gc_artifacts(self) -> dict[str, int]:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
-        layers: set[str] = set()
-        memory: set[str] = set(self._pinned_memory)
+        layers, memory = self.warm_artifacts()
+        memory |= set(self._pinned_memory)
         for rec in list(self._records.values()) + await self.store.list_sandboxes():
             layers.update(rec.layers)
         for snap in await self.store.list_snapshots():
@@ -264,9 +275,121 @@ class Orchestrator:
             finally:
                 self._unpin_memory(snap.memory_digest)
         else:
-            await self._spawn(rec)
+            await self._spawn_from_template(rec, tmpl)
         log.info("created sandbox %s from %s in %.3fs", rec.sandbox_id, template, time.monotonic() - t0)
         return rec
+
+    # ------------------------------------------------------------------ warm start
+
+    def _warm_key(self, tmpl: TemplateRecord, tools: Path) -> str:
+        """What a warm image depends on: a change to any of these makes it stale."""
+        parts = [tools.name, tmpl.template_id, tmpl.image, str(tmpl.cpu_count), str(tmpl.memory_mb),
+                 str(self.settings.max_upload_bytes), self.runtime.name,
+                 hashlib.sha256(self._host_token.encode()).hexdigest()[:16]]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+    def _warm_meta_path(self, tmpl: TemplateRecord) -> Path:
+        return self.paths.root / "warm" / f"{tmpl.template_id}.json"
+
+    def _warm_meta(self, tmpl: TemplateRecord, key: str) -> dict | None:
+        try:
+            meta = json.loads(self._warm_meta_path(tmpl).read_text())
+        except (OSError, ValueError):
+            return None
+        if meta.get("key") != key or not self.artifacts.memory_dir(meta["memory"]).is_dir() or not all(
+                self.artifacts.layer_dir(d).is_dir() for d in meta.get("layers", [])):
+            return None
+        return meta
+
+    def warm_artifacts(self) -> tuple[set[str], set[str]]:
+        """Layers and memory images the warm images use (kept by GC)."""
+        layers: set[str] = set()
+        memory: set[str] = set()
+        for f in (self.paths.root / "warm").glob("*.json"):
+            try:
+                meta = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            layers.update(meta.get("layers", []))
+            memory.add(meta.get("memory", ""))
+        return layers, memory
+
+    async def _spawn_from_template(self, rec: SandboxRecord, tmpl: TemplateRecord) -> None:
+        """Start from the template's warm image (a restore) when there is one, else boot.
+
+        A warm image is a sandbox of the template booted once and checkpointed before /init:
+        restoring it and then running /init with this sandbox's token and env skips envd's cold
+        start (most of a boot under gVisor). Building one happens in the background; until it is
+        ready, and whenever a restore fails, sandboxes boot cold.
+        """
+        meta = None
+        if self.settings.warm_start:
+            tools = await self.images.ensure_tools()
+            key = self._warm_key(tmpl, tools)
+            meta = self._warm_meta(tmpl, key)
+            if meta is None:
+                self._build_warm_soon(tmpl)
+        if meta is None:
+            await self._spawn(rec)
+            return
+        rec.layers = list(meta.get("layers", []))
+        mem = await self._pin_memory(meta["memory"])
+        try:
+            await self._spawn(rec, restore_from=mem, restore_token=None)
+        except RuntimeFailure as e:
+            log.warning("warm start of %s failed (%s); booting it cold", rec.sandbox_id, e.message[:300])
+            self._warm_meta_path(tmpl).unlink(missing_ok=True)
+            rec.layers, rec.state = [], SandboxState.CREATING
+            await self._spawn(rec)
+        finally:
+            self._unpin_memory(meta["memory"])
+
+    def _build_warm_soon(self, tmpl: TemplateRecord) -> None:
+        if tmpl.template_id in self._warm_building:
+            return
+        task = asyncio.create_task(self._build_warm(tmpl), name=f"warm-{tmpl.template_id}")
+        self._warm_building[tmpl.template_id] = task
+        task.add_done_callback(lambda _t: self._warm_building.pop(tmpl.template_id, None))
+
+    async def _build_warm(self, tmpl: TemplateRecord) -> None:
+        """Boot a sandbox of `tmpl` (no /init), checkpoint it, keep its layer + memory image."""
+        t0 = time.monotonic()
+        tools = await self.images.ensure_tools()
+        key = self._warm_key(tmpl, tools)
+        now = utcnow()
+        rec = SandboxRecord(
+            sandbox_id=_new_id("w"), template_id=tmpl.template_id, team_id="", state=SandboxState.CREATING,
+            started_at=now, end_at=now, cpu_count=tmpl.cpu_count, memory_mb=tmpl.memory_mb,
+            disk_mb=tmpl.disk_mb, envd_access_token="", image=tmpl.image, runtime=self.runtime.name)
+        sid = rec.sandbox_id
+        image = self.paths.sandbox_dir(sid) / "capture"
+        try:
+            rootfs, slot = await asyncio.gather(
+                self.rootfs.prepare(sid, self._lowers(rec)), self.network.allocate(sid, allow_internet=False))
+            self._slots[sid] = slot
+            spec = self._spec(rec, rootfs, slot, tools)
+            spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+            await self.runtime.start(spec)
+            await self.network.activate(slot)
+            await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(sid))
+            await self._drain_connections(rec)
+            await self.runtime.checkpoint(sid, image)
+            await self.rootfs.unmount(sid)
+            layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
+            mem = await self.artifacts.seal_memory(image)
+            meta = {"key": key, "template": tmpl.template_id, "layers": [layer] if layer else [], "memory": mem,
+                    "created": utcnow().isoformat()}
+            path = self._warm_meta_path(tmpl)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(meta, indent=1))
+            os.replace(tmp, path)
+            log.info("warm image of template %s ready in %.2fs", tmpl.template_id, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - creates keep booting cold
+            log.warning("could not build the warm image of template %s: %s", tmpl.template_id, e)
+        finally:
+            await asyncio.shield(self._teardown(sid))
+            await self.gc_artifacts()
 
     def _check_timeout(self, timeout: int) -> None:
         if timeout < 0:
