@@ -274,6 +274,8 @@ class Orchestrator:
                 await self._spawn(rec, restore_from=mem, restore_token=snap.restore_token)
             finally:
                 self._unpin_memory(snap.memory_digest)
+        elif snap is not None:
+            await self._spawn(rec)  # a filesystem-only snapshot: boot fresh on its layers
         else:
             await self._spawn_from_template(rec, tmpl)
         log.info("created sandbox %s from %s in %.3fs", rec.sandbox_id, template, time.monotonic() - t0)
