@@ -629,6 +629,8 @@ class Orchestrator:
                     await self._kill_quietly(rec.sandbox_id)
             except AgentEnvError as e:
                 log.warning("expiry of %s: %s", rec.sandbox_id, e.message)
+                if isinstance(e, Unavailable):  # e.g. connections still closing: retry after the hint
+                    await asyncio.sleep(min(float(e.headers.get("Retry-After", 5)), 30.0))
             except Exception:  # noqa: BLE001
                 log.exception("expiry of %s failed", rec.sandbox_id)
             finally:
