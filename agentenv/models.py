@@ -67,9 +67,7 @@ class SandboxRecord:
     # sandbox's own writable upper (in its sandbox dir).
     image: str = "base"
     layers: list[str] = field(default_factory=list)
-    # While paused with memory: digest of the checkpoint image blob in the local blob cache.
-    memory_digest: str | None = None
-    pause_mode: str | None = None  # "full" | "filesystem"
+    pause_mode: str | None = None  # while paused: "full" (checkpoint in the sandbox dir) | "filesystem"
 
 
 @dataclass

@@ -14,10 +14,18 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from agentenv.config import Settings
+
+if TYPE_CHECKING:  # imported lazily at run time: `agentenv doctor` and friends stay light
+    from agentenv.api.auth import ApiKeyAuth
+    from agentenv.orchestrator.service import Orchestrator
+    from agentenv.proxy.traffic import TrafficProxy
+    from agentenv.state.sqlite import SQLiteStateStore
+    from agentenv.storage.images import ImageStore
 
 log = logging.getLogger("agentenv.server")
 
@@ -34,11 +42,11 @@ def build_runtime(settings: Settings):
 @dataclass
 class Components:
     settings: Settings
-    store: object
-    auth: object
-    images: object
-    orchestrator: object
-    proxy: object
+    store: SQLiteStateStore
+    auth: ApiKeyAuth
+    images: ImageStore
+    orchestrator: Orchestrator
+    proxy: TrafficProxy
 
 
 async def build(settings: Settings) -> Components:

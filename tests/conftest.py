@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import pytest
 import requests
 
 from leftovers import agentenv_netns, assert_no_leftovers, find_leftovers, mounts_under
-from serverproc import _group_alive, agentenv_executable, free_port, log_tail
+from serverproc import agentenv_executable, free_port, log_tail, run_gc, stop_server
 
 DEFAULT_DATA_DIR = "/var/tmp/agentenv-test"
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
@@ -64,18 +63,13 @@ class Server:
 
 
 
-def run_gc(agentenv: str, data_dir: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, AGENTENV_DATA_DIR=str(data_dir))
-    return subprocess.run(
-        [agentenv, "gc"], env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL
-    )
 
 
 def prepare_data_dir(agentenv: str, data_dir: Path) -> None:
     """Clean state of earlier runs (also crashed ones) but keep the cached images."""
     data_dir.mkdir(parents=True, exist_ok=True)
     if (data_dir / "state.db").exists() or (data_dir / "sandboxes").exists() or (data_dir / "run").exists():
-        gc = run_gc(agentenv, data_dir)
+        gc = run_gc(data_dir)
         if gc.returncode != 0:
             pytest.fail(
                 f"`agentenv gc` before the session failed ({gc.returncode}):\n{gc.stdout}\n{gc.stderr}"
@@ -129,31 +123,6 @@ def ignorable_netns(data_dir: Path, log_path: Path, preexisting: frozenset[str],
 
 
 
-def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:
-    """SIGTERM the server, wait, SIGKILL its process group if needed. Returns problems seen."""
-    problems: list[str] = []
-    pgid = proc.pid  # start_new_session=True: the server leads its own group
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            problems.append(f"server did not exit within {timeout:.0f}s of SIGTERM; killed")
-    else:
-        problems.append(f"server had already exited with code {proc.returncode}")
-    if _group_alive(pgid):
-        if proc.poll() is not None:
-            problems.append("server exited but left processes in its process group; killed")
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if proc.poll() is None:
-            proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-    return problems
 
 
 @pytest.fixture(scope="session")
@@ -214,11 +183,11 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
             time.sleep(0.25)
     except BaseException:
         stop_server(proc, stop_timeout)
-        run_gc(agentenv, data_dir)
+        run_gc(data_dir)
         raise
     if startup_error is not None:
         stop_server(proc, stop_timeout)
-        gc = run_gc(agentenv, data_dir)
+        gc = run_gc(data_dir)
         pytest.fail(
             f"{startup_error}\n--- server log tail ({log_path}) ---\n{log_tail(log_path)}"
             f"\n--- agentenv gc ({gc.returncode}) ---\n{gc.stdout}{gc.stderr}",
@@ -262,7 +231,7 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
                 f"the server exited with code {crashed} during the session\n"
                 f"--- server log tail ({log_path}) ---\n{log_tail(log_path)}"
             )
-        gc = run_gc(agentenv, data_dir)
+        gc = run_gc(data_dir)
         if gc.returncode != 0:
             failures.append(f"`agentenv gc` failed ({gc.returncode}):\n{gc.stdout}\n{gc.stderr}")
         try:

@@ -148,7 +148,7 @@ class ExtraServer:
         """
         problems: list[str] = []
         if not self.stopped:
-            problems += _terminate(self.proc, timeout)
+            problems += stop_server(self.proc, timeout)
             self.stopped = True
         if gc:
             r = run_gc(self.data_dir, self.env)
@@ -175,7 +175,8 @@ class ExtraServer:
         return frozenset(ignore)
 
 
-def _terminate(proc: subprocess.Popen, timeout: float) -> list[str]:
+def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:
+    """SIGTERM a server, wait, SIGKILL its process group if needed. Returns problems seen."""
     problems: list[str] = []
     pgid = proc.pid
     if proc.poll() is None:
@@ -244,7 +245,7 @@ def start_extra_server(data_dir: Path, *, api_key: str | None = None, env: dict[
         except requests.RequestException as e:
             last = f"GET /health: {type(e).__name__}"
         if time.monotonic() > deadline:
-            _terminate(proc, 30)
+            stop_server(proc, 30)
             raise RuntimeError(f"extra server not healthy after {startup_timeout:.0f}s ({last})\n"
                                f"--- log ---\n{srv.log_tail()}")
         time.sleep(0.2)

@@ -168,14 +168,6 @@ def _encode_cursor(at: datetime, item_id: str) -> str:
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
 
 
-def encode_page_token(rec: SandboxRecord) -> str:
-    return _encode_cursor(rec.started_at, rec.sandbox_id)
-
-
-def encode_snapshot_page_token(rec: SnapshotRecord) -> str:
-    return _encode_cursor(rec.created_at, rec.snapshot_id)
-
-
 def decode_page_token(token: str) -> tuple[datetime, str]:
     try:
         started, sandbox_id = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
@@ -193,6 +185,18 @@ def _sort_key(rec: SandboxRecord) -> tuple[datetime, str]:
 
 def _snapshot_sort_key(rec: SnapshotRecord) -> tuple[datetime, str]:
     return rec.created_at, rec.snapshot_id
+
+
+def _page(recs: list, key, cursor: tuple[datetime, str] | None, limit: int, *, desc: bool, to_json) -> web.Response:
+    """One page of `recs` in `key` order after `cursor`; X-Next-Token when more follow."""
+    recs = sorted(recs, key=key, reverse=desc)
+    if cursor is not None:
+        recs = [r for r in recs if (key(r) < cursor if desc else key(r) > cursor)]
+    page = recs[:limit]
+    resp = web.json_response([to_json(r) for r in page])
+    if len(recs) > limit:
+        resp.headers["X-Next-Token"] = _encode_cursor(*key(page[-1]))
+    return resp
 
 
 def _parse_limit(q: Any) -> int:
@@ -287,15 +291,7 @@ class _Handlers:
             recs = [r for r in recs if r.started_at > started_after]
         if q.get("template"):
             recs = [r for r in recs if q["template"] in (r.template_id, r.alias)]
-        desc = order == "desc"
-        recs.sort(key=_sort_key, reverse=desc)
-        if cursor is not None:
-            recs = [r for r in recs if (_sort_key(r) < cursor if desc else _sort_key(r) > cursor)]
-        page = recs[:limit]
-        resp = web.json_response([schemas.listed_sandbox_json(r) for r in page])
-        if len(recs) > limit:
-            resp.headers["X-Next-Token"] = encode_page_token(page[-1])
-        return resp
+        return _page(recs, _sort_key, cursor, limit, desc=order == "desc", to_json=schemas.listed_sandbox_json)
 
     async def get_sandbox(self, request: web.Request) -> web.Response:
         rec = await self.orch.get_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM])
@@ -366,14 +362,8 @@ class _Handlers:
         cursor = decode_page_token(q["nextToken"]) if q.get("nextToken") else None
         recs = await self.orch.list_snapshots(team_id=request[_TEAM], sandbox_id=q.get("sandboxID") or None,
                                               name=q.get("name") or None)
-        recs = sorted(recs, key=_snapshot_sort_key)  # oldest first, ties broken by id
-        if cursor is not None:
-            recs = [r for r in recs if _snapshot_sort_key(r) > cursor]
-        page = recs[:limit]
-        resp = web.json_response([schemas.snapshot_info_json(r) for r in page])
-        if len(recs) > limit:
-            resp.headers["X-Next-Token"] = encode_snapshot_page_token(page[-1])
-        return resp
+        # oldest first, ties broken by id
+        return _page(recs, _snapshot_sort_key, cursor, limit, desc=False, to_json=schemas.snapshot_info_json)
 
     async def get_snapshot(self, request: web.Request) -> web.Response:
         rec = await self.orch.get_snapshot(request.match_info["snapshotID"], team_id=request[_TEAM])

@@ -43,10 +43,6 @@ log = logging.getLogger("agentenv.orchestrator")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 
-# After the proxy closed its connections, give the sandbox's side a moment to finish closing
-# (CLOSE_WAIT -> LAST_ACK -> CLOSED); gVisor refuses to checkpoint any non-listening TCP endpoint.
-QUIESCE_DELAY_S = 0.15
-
 
 def _new_id(prefix: str) -> str:
     """E2B-shaped ids: a letter + 20 chars of [a-z0-9] (the proxy's host routing needs ^[a-z0-9]+$)."""
@@ -204,6 +200,7 @@ class Orchestrator:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
         layers, memory = self.warm_artifacts()
         memory |= set(self._pinned_memory)
+        # The live records too: a capture puts its new layer in the record before the store has it.
         for rec in list(self._records.values()) + await self.store.list_sandboxes():
             layers.update(rec.layers)
         for snap in await self.store.list_snapshots():
@@ -269,11 +266,7 @@ class Orchestrator:
             rec.traffic_access_token = secrets.token_urlsafe(24)
         t0 = time.monotonic()
         if snap is not None and snap.memory_digest:
-            mem = await self._pin_memory(snap.memory_digest)
-            try:
-                await self._spawn(rec, restore_from=mem, restore_token=snap.restore_token)
-            finally:
-                self._unpin_memory(snap.memory_digest)
+            await self._spawn_restored(rec, snap.memory_digest, restore_token=snap.restore_token)
         elif snap is not None:
             await self._spawn(rec)  # a filesystem-only snapshot: boot fresh on its layers
         else:
@@ -335,16 +328,13 @@ class Orchestrator:
             await self._spawn(rec)
             return
         rec.layers = list(meta.get("layers", []))
-        mem = await self._pin_memory(meta["memory"])
         try:
-            await self._spawn(rec, restore_from=mem, restore_token=None)
+            await self._spawn_restored(rec, meta["memory"], restore_token=None)
         except RuntimeFailure as e:
             log.warning("warm start of %s failed (%s); booting it cold", rec.sandbox_id, e.message[:300])
             self._warm_meta_path(tmpl).unlink(missing_ok=True)
             rec.layers, rec.state = [], SandboxState.CREATING
             await self._spawn(rec)
-        finally:
-            self._unpin_memory(meta["memory"])
 
     def _build_warm_soon(self, tmpl: TemplateRecord) -> None:
         if tmpl.template_id in self._warm_building:
@@ -443,6 +433,14 @@ class Orchestrator:
         finally:
             self._creating -= 1
 
+    async def _spawn_restored(self, rec: SandboxRecord, memory_digest: str, *, restore_token: str | None) -> None:
+        """_spawn from a memory image, which is pulled if missing and kept from GC meanwhile."""
+        mem = await self._pin_memory(memory_digest)
+        try:
+            await self._spawn(rec, restore_from=mem, restore_token=restore_token)
+        finally:
+            self._unpin_memory(memory_digest)
+
     async def _bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                         slot: NetSlot | None = None) -> None:
         """Mount the rootfs, take a network slot, start or restore, wait for envd, (re)init it."""
@@ -472,7 +470,7 @@ class Orchestrator:
 
     async def _teardown(self, sandbox_id: str) -> None:
         """Release everything a sandbox holds; each step idempotent and independent of the others."""
-        await self._quiesce(sandbox_id, wait=False)
+        await self._quiesce(sandbox_id)
         try:
             await self.runtime.stop(sandbox_id)
         except Exception:  # noqa: BLE001 - teardown must go on
@@ -491,15 +489,16 @@ class Orchestrator:
             except Exception:  # noqa: BLE001
                 log.exception("network release failed for %s", sandbox_id)
 
-    async def _quiesce(self, sandbox_id: str, *, wait: bool = True) -> None:
-        """Close every host-side connection into the sandbox (the proxy's pool, streams)."""
+    async def _quiesce(self, sandbox_id: str) -> None:
+        """Close every host-side connection into the sandbox (the proxy's pool, streams).
+
+        Before a checkpoint, `_drain_connections` then waits until the sandbox's side is closed too.
+        """
         for cb in self.on_before_stop:
             try:
                 await cb(sandbox_id)
             except Exception:  # noqa: BLE001
                 log.exception("before-stop hook failed for %s", sandbox_id)
-        if wait:
-            await asyncio.sleep(QUIESCE_DELAY_S)
 
     async def _blocking_connections(self, rec: SandboxRecord, slot: NetSlot) -> list[dict]:
         """TCP endpoints inside the sandbox that would make a checkpoint fail.
@@ -662,15 +661,15 @@ class Orchestrator:
         """
         async with self.lifecycle.lock(sandbox_id):
             rec = self._get_live(sandbox_id, team_id)
-            _, final = check(rec.state, "pause", sandbox_id)
-            rec.state = SandboxState.PAUSING
+            transient, final = check(rec.state, "pause", sandbox_id)
+            rec.state = transient
             ckpt = self._checkpoint_dir(sandbox_id)
             shutil.rmtree(ckpt, ignore_errors=True)
             await self._quiesce(sandbox_id)
             if memory:
                 try:
                     await self._drain_connections(rec)
-                except (Conflict, Unavailable):
+                except Unavailable:
                     rec.state = SandboxState.RUNNING
                     raise
             try:
@@ -702,20 +701,18 @@ class Orchestrator:
             return replace(rec), False
 
     async def _resume_locked(self, rec: SandboxRecord, timeout: int) -> None:
-        _, final = check(rec.state, "resume", rec.sandbox_id)
+        transient, final = check(rec.state, "resume", rec.sandbox_id)
         self._admit()
-        rec.state = SandboxState.RESUMING
+        rec.state = transient
         ckpt = self._checkpoint_dir(rec.sandbox_id)
         full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
         try:
-            if full:
-                await self._bring_up(rec, restore_from=ckpt, restore_token=rec.envd_access_token)
-            else:
-                await self._bring_up(rec, restore_from=None, restore_token=None)
+            await self._bring_up(rec, restore_from=ckpt if full else None,
+                                 restore_token=rec.envd_access_token if full else None)
         except Exception as e:  # noqa: BLE001
             # The paused state on disk is intact: undo what the attempt set up and stay paused.
             log.error("resume of %s failed: %s", rec.sandbox_id, e)
-            await self._quiesce(rec.sandbox_id, wait=False)
+            await self._quiesce(rec.sandbox_id)
             await self.runtime.stop(rec.sandbox_id)
             await self._release_slot(rec.sandbox_id)
             await self.rootfs.unmount(rec.sandbox_id)
@@ -779,7 +776,7 @@ class Orchestrator:
             rec.state = transient
             try:
                 mem = await self._capture(rec)
-            except (Conflict, Unavailable):
+            except Unavailable:  # refused before anything happened
                 rec.state = before
                 raise
             rec.state = final
@@ -846,7 +843,7 @@ class Orchestrator:
             end_at=now + timedelta(seconds=timeout), envd_access_token=secrets.token_urlsafe(24),
             traffic_access_token=secrets.token_urlsafe(24) if rec.traffic_access_token else None,
             metadata=dict(rec.metadata), env_vars=dict(rec.env_vars), layers=list(rec.layers),
-            parent_id=rec.sandbox_id, slot=None, memory_digest=None, pause_mode=None, created_at=now)
+            parent_id=rec.sandbox_id, slot=None, pause_mode=None, created_at=now)
 
     # ------------------------------------------------------------------ snapshots
 
@@ -858,9 +855,9 @@ class Orchestrator:
         self._get_live(sandbox_id, team_id)
         rec, mem = await self._locked_capture(sandbox_id, team_id, "snapshot")
         try:
-            size = sum(self.artifacts.local._blob("layers", d).stat().st_size for d in rec.layers)
+            size = sum(self.artifacts.local.blob_path("layers", d).stat().st_size for d in rec.layers)
             if memory:
-                size += self.artifacts.local._blob("memory", mem).stat().st_size
+                size += self.artifacts.local.blob_path("memory", mem).stat().st_size
             snap = SnapshotRecord(
                 snapshot_id=new_snapshot_id(), team_id=rec.team_id, names=[name] if name else [],
                 source_sandbox_id=sandbox_id, template_id=rec.template_id, image=rec.image,

@@ -72,7 +72,6 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN image TEXT NOT NULL DEFAULT 'base';
     ALTER TABLE sandboxes ADD COLUMN layers TEXT NOT NULL DEFAULT '[]';
-    ALTER TABLE sandboxes ADD COLUMN memory_digest TEXT;
     ALTER TABLE sandboxes ADD COLUMN pause_mode TEXT;
     CREATE TABLE snapshots (
         snapshot_id TEXT PRIMARY KEY,
@@ -100,7 +99,7 @@ _SANDBOX_COLS = (
     "sandbox_id", "template_id", "team_id", "state", "started_at", "end_at", "cpu_count", "memory_mb",
     "disk_mb", "envd_access_token", "traffic_access_token", "alias", "metadata", "env_vars", "auto_pause",
     "auto_resume", "allow_internet_access", "network", "slot", "runtime", "node_id", "parent_id",
-    "snapshot_id", "created_at", "image", "layers", "memory_digest", "pause_mode",
+    "snapshot_id", "created_at", "image", "layers", "pause_mode",
 )
 _SNAPSHOT_COLS = (
     "snapshot_id", "team_id", "names", "source_sandbox_id", "template_id", "image", "layers", "memory_digest",
@@ -237,7 +236,6 @@ class SQLiteStateStore:
             "created_at": _ts(rec.created_at),
             "image": rec.image,
             "layers": json.dumps(list(rec.layers)),
-            "memory_digest": rec.memory_digest,
             "pause_mode": rec.pause_mode,
         }
         await self._write(_insert_sql("sandboxes", _SANDBOX_COLS), [values[c] for c in _SANDBOX_COLS])
@@ -271,7 +269,6 @@ class SQLiteStateStore:
             created_at=_dt(row["created_at"]),
             image=row["image"],
             layers=json.loads(row["layers"]),
-            memory_digest=row["memory_digest"],
             pause_mode=row["pause_mode"],
         )
 

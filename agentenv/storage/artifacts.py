@@ -99,11 +99,11 @@ class ArtifactCache:
                 if not await self.store.has_blob(kind, digest):
                     raise NotFound(f"{kind[:-1] if kind.endswith('s') else kind} {digest[:12]} is missing "
                                    "from the snapshot store")
-                tmp = self.local._blob(kind, digest)
+                tmp = self.local.blob_path(kind, digest)
                 log.info("downloading %s/%s from the %s snapshot store", kind, digest[:12], self.store.name)
                 await self.store.get_blob(kind, digest, tmp)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            await layer_tar.unpack(self.local._blob(kind, digest), dst)
+            await layer_tar.unpack(self.local.blob_path(kind, digest), dst)
         return dst
 
     async def ensure_layer(self, digest: str) -> Path:
@@ -119,9 +119,8 @@ class ArtifactCache:
         blobs = [("layers", d) for d in snap.layers]
         if snap.memory_digest:
             blobs.append(("memory", snap.memory_digest))
-        for kind, digest in blobs:
-            if self.store is not self.local and not await self.store.has_blob(kind, digest):
-                await self.store.put_blob(kind, digest, self.local._blob(kind, digest))
+        for kind, digest in blobs:  # put_blob skips blobs the store already has
+            await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
         await self.store.put_manifest(snap.snapshot_id, snap.to_manifest())
 
     async def find_manifest(self, id_or_name: str) -> SnapshotRecord | None:

@@ -158,6 +158,7 @@ class ImageStore:
         self.settings = settings
         self.paths = settings.paths
         self.images_dir = self.paths.images
+        self._base_ready: Path | None = None  # set once the base image is known good in this process
 
     # --- lookup ------------------------------------------------------------------------------
 
@@ -198,11 +199,14 @@ class ImageStore:
 
     async def ensure_base(self, progress: ProgressFn | None = None) -> Path:
         """Return the base image rootfs, building it first if absent (one builder across processes)."""
+        if self._base_ready is not None:  # every create asks: the checks below run once per process
+            return self._base_ready
         target = self.images_dir / BASE_IMAGE
         if (target / "manifest.json").is_file():
             ensure_preload(target / "rootfs")  # images cached before the shim existed
             ensure_sudo_shim(target / "rootfs")  # ... or before sudo over envd existed
-            return target / "rootfs"
+            self._base_ready = target / "rootfs"
+            return self._base_ready
         self.images_dir.mkdir(parents=True, exist_ok=True)
         if progress:
             progress("waiting for the image build lock", None)

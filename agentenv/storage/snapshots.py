@@ -57,16 +57,17 @@ class LocalSnapshotStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
 
-    def _blob(self, kind: str, digest: str) -> Path:
+    def blob_path(self, kind: str, digest: str) -> Path:
+        """Where a blob lives in this directory (whether or not it exists yet)."""
         _check_kind(kind)
         _check_name(digest)
         return self.root / kind / digest
 
     async def has_blob(self, kind: str, digest: str) -> bool:
-        return self._blob(kind, digest).exists()
+        return self.blob_path(kind, digest).exists()
 
     async def put_blob(self, kind: str, digest: str, src: Path) -> None:
-        dst = self._blob(kind, digest)
+        dst = self.blob_path(kind, digest)
         if dst.exists():
             return
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +94,7 @@ class LocalSnapshotStore:
         await asyncio.to_thread(copy)
 
     async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
-        src = self._blob(kind, digest)
+        src = self.blob_path(kind, digest)
         if not src.exists():
             raise FileNotFoundError(f"{kind}/{digest} not in the snapshot store")
 
@@ -110,7 +111,7 @@ class LocalSnapshotStore:
 
     async def delete_blob(self, kind: str, digest: str) -> None:
         try:
-            self._blob(kind, digest).unlink()
+            self.blob_path(kind, digest).unlink()
         except FileNotFoundError:
             pass
 
