@@ -58,6 +58,9 @@ class Settings(BaseSettings):
 
     # Host-side addressing of sandbox slots: one /30 per slot inside this /16.
     slot_subnet: str = "10.213.0.0/16"
+    # Tag in the host-global names (netns, root-ns links, nft table) of this instance, so several
+    # instances can share one host (test clusters, parallel test runs). Each needs its own slot_subnet.
+    instance: str = Field(default="", pattern=r"^[a-z0-9]{0,4}$")
     allow_internet_access: bool = True
 
     # Snapshot store: "local" (a directory; default <data_dir>/snapshots) or "s3" (any S3-compatible store).

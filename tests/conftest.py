@@ -11,6 +11,10 @@ Environment knobs:
   AGENTENV_TEST_STARTUP_TIMEOUT   seconds to wait for GET /health (default 240)
   AGENTENV_TEST_STOP_TIMEOUT      seconds between SIGTERM and SIGKILL (default 60)
   AGENTENV_TEST_BIN               agentenv executable (default: the one next to this Python)
+
+Parallel sessions on one host (e.g. two checkouts): give each its own AGENTENV_INSTANCE (a tag of
+up to 4 [a-z0-9] in every netns/link/nft name), AGENTENV_SLOT_SUBNET, AGENTENV_TEST_RUNTIME_SUBNET,
+AGENTENV_TEST_DATA_DIR and AGENTENV_TEST_RUNTIME_DIR; leftover checks then see only their own.
 """
 
 from __future__ import annotations

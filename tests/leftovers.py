@@ -14,7 +14,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-NETNS_PREFIX = "agentenv-"
+# Servers started by the tests inherit AGENTENV_INSTANCE (and need their own AGENTENV_SLOT_SUBNET);
+# the names below follow agentenv.network.slots.SlotNames so parallel sessions never see each other.
+INSTANCE = os.environ.get("AGENTENV_INSTANCE", "")
+NETNS_PREFIX = f"agentenv-{INSTANCE}-" if INSTANCE else "agentenv-"
+HOST_TABLE = f"agentenv-{INSTANCE}" if INSTANCE else "agentenv"
 
 
 def runsc_root(data_dir: str | os.PathLike[str]) -> Path:
@@ -41,18 +45,23 @@ def runsc_containers(data_dir: str | os.PathLike[str]) -> list[str]:
     return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
 
 
+def _ours(name: str) -> bool:
+    """A netns of this instance: ``<prefix><sandbox id>`` (sandbox ids never contain ``-``)."""
+    return name.startswith(NETNS_PREFIX) and "-" not in name[len(NETNS_PREFIX):]
+
+
 def agentenv_netns() -> list[str]:
-    """Names of network namespaces starting with ``agentenv-``."""
+    """Names of this instance's sandbox network namespaces (``agentenv-[<instance>-]<id>``)."""
     names: set[str] = set()
     proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
     if proc.returncode == 0:
         for line in proc.stdout.splitlines():
             parts = line.split()
-            if parts and parts[0].startswith(NETNS_PREFIX):
+            if parts and _ours(parts[0]):
                 names.add(parts[0])
     netns_dir = Path("/run/netns")
     if netns_dir.is_dir():
-        names.update(p.name for p in netns_dir.iterdir() if p.name.startswith(NETNS_PREFIX))
+        names.update(p.name for p in netns_dir.iterdir() if _ours(p.name))
     return sorted(names)
 
 

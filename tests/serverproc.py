@@ -168,7 +168,7 @@ class ExtraServer:
         sandboxes = self.data_dir / "sandboxes"
         ignore = set(self.preexisting_netns)
         for name in agentenv_netns():
-            sid = name[len(NETNS_PREFIX):]
+            sid = name[len(NETNS_PREFIX):]  # agentenv_netns() lists only this instance's names
             if sid in self.known_ids or (sid and sid in log_text) or (sandboxes / sid).exists():
                 continue
             ignore.add(name)

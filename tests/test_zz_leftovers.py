@@ -6,7 +6,7 @@ import os
 
 from e2b import Sandbox
 
-from leftovers import agentenv_netns, mounts_under, processes_mentioning, runsc_containers
+from leftovers import NETNS_PREFIX, agentenv_netns, mounts_under, processes_mentioning, runsc_containers
 
 
 def test_kill_releases_host_resources(server):
@@ -16,7 +16,7 @@ def test_kill_releases_host_resources(server):
     try:
         # while it runs, the resources exist where we are going to look for them
         assert any(sid in c for c in runsc_containers(server.data_dir)), runsc_containers(server.data_dir)
-        assert f"agentenv-{sid}" in agentenv_netns()
+        assert f"{NETNS_PREFIX}{sid}" in agentenv_netns()
         assert sandbox_dir.is_dir()
         assert any(m == str(sandbox_dir) or m.startswith(f"{sandbox_dir}/") for m in mounts_under(server.data_dir))
         assert sbx.commands.run("echo alive").stdout == "alive\n"
@@ -25,7 +25,7 @@ def test_kill_releases_host_resources(server):
     assert killed is True
     # right away after kill returned — no polling
     assert not any(sid in c for c in runsc_containers(server.data_dir))
-    assert f"agentenv-{sid}" not in agentenv_netns()
+    assert f"{NETNS_PREFIX}{sid}" not in agentenv_netns()
     assert [m for m in mounts_under(server.data_dir) if m == str(sandbox_dir) or m.startswith(f"{sandbox_dir}/")] == []
     assert not sandbox_dir.exists()
     assert processes_mentioning(str(sandbox_dir), exclude_pids={os.getpid()}) == []

@@ -45,14 +45,10 @@ from agentenv.errors import RuntimeFailure, Unavailable
 from agentenv.network.slots import (
     GATEWAY_LINK,
     GUEST_LINK,
-    HOST_LINK_PREFIX,
-    NETNS_PREFIX,
     NETNS_RUN_DIR,
     NS_HOST_LINK,
     NetSlot,
-    host_link_name,
-    netns_name,
-    parse_host_link,
+    SlotNames,
     slot_addresses,
     slot_capacity,
 )
@@ -60,18 +56,17 @@ from agentenv.runtimes._proc import run_cmd
 
 log = logging.getLogger(__name__)
 
-HOST_TABLE = "agentenv"  # nft table (family ip) in the root netns
 CMD_TIMEOUT = 10.0
 NETLINK_TIMEOUT = 10.0
 
 
-def _host_ruleset() -> str:
-    """Root-ns rules, independent of settings so several data dirs/subnets can share them.
+def _host_ruleset(names: SlotNames) -> str:
+    """Root-ns rules of one instance (its own table, matching only its own links).
 
     `add` is idempotent and keeps the set's elements across server restarts.
     """
-    t = f"ip {HOST_TABLE}"
-    w = f'"{HOST_LINK_PREFIX}*"'
+    t = f"ip {names.host_table}"
+    w = f'"{names.link_prefix}*"'
     return f"""
 add table {t}
 add set {t} internet {{ type ifname; }}
@@ -206,24 +201,25 @@ class NetworkManager:
         self._lock = asyncio.Lock()
         self._discovered = False
         self._next = 0
+        self.names = SlotNames(settings.instance)
 
     # ---------------------------------------------------------------- host setup
 
     async def setup_host(self) -> None:
         """Enable forwarding and install the root-ns table; safe to call on every server start."""
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
-        await run_cmd(["nft", "-f", "-"], input=_host_ruleset().encode(),
+        await run_cmd(["nft", "-f", "-"], input=_host_ruleset(self.names).encode(),
                       timeout=CMD_TIMEOUT, what="nft (host rules)")
         await self.discover()
 
     async def teardown_host(self) -> None:
         """Remove the root-ns table (ip_forward is left as is: other software may rely on it)."""
-        await run_cmd(["nft", "delete", "table", "ip", HOST_TABLE], timeout=CMD_TIMEOUT, check=False)
+        await run_cmd(["nft", "delete", "table", "ip", self.names.host_table], timeout=CMD_TIMEOUT, check=False)
 
     async def set_internet(self, slot: NetSlot, allow: bool) -> NetSlot:
         """Switch forwarding of the slot's traffic out of the host on or off."""
         verb = "add" if allow else "delete"
-        res = await run_cmd(["nft", verb, "element", "ip", HOST_TABLE, "internet", f'{{ "{slot.veth_host}" }}'],
+        res = await run_cmd(["nft", verb, "element", "ip", self.names.host_table, "internet", f'{{ "{slot.veth_host}" }}'],
                             timeout=CMD_TIMEOUT, check=False)
         if res.returncode != 0 and allow:
             raise RuntimeFailure(f"nft: cannot allow internet for {slot.veth_host}: {res.stderr.strip()} "
@@ -240,7 +236,7 @@ class NetworkManager:
         found: dict[str, NetSlot] = {}
         for link in links:
             ifname = link.get_attr("IFLA_IFNAME") or ""
-            index = parse_host_link(ifname)
+            index = self.names.parse_host_link(ifname)
             if index is None:
                 continue
             self._used.add(index)
@@ -248,7 +244,7 @@ class NetworkManager:
             if not sandbox_id:
                 continue
             peer_ip, host_ip = slot_addresses(self.subnet, index)
-            name = netns_name(sandbox_id)
+            name = self.names.netns_name(sandbox_id)
             found[sandbox_id] = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}",
                                         host_ip=host_ip, veth_host=ifname, sandbox_id=sandbox_id,
                                         peer_ip=peer_ip, allow_internet=f'"{ifname}"' in internet)
@@ -258,7 +254,7 @@ class NetworkManager:
         """Rebuild the slot table from the kernel (after a server restart)."""
         async with _netlink() as ipr:
             links = [x async for x in await ipr.link("dump")]
-        res = await run_cmd(["nft", "list", "set", "ip", HOST_TABLE, "internet"], timeout=CMD_TIMEOUT, check=False)
+        res = await run_cmd(["nft", "list", "set", "ip", self.names.host_table, "internet"], timeout=CMD_TIMEOUT, check=False)
         for sid, slot in self._scan_links(links, res.stdout if res.returncode == 0 else "").items():
             self._slots.setdefault(sid, slot)
         self._discovered = True
@@ -271,7 +267,7 @@ class NetworkManager:
             # pyroute2's sync IPRoute needs its own event loop, which fails inside a running one:
             # scan from a short-lived thread. Only happens before discover() ran.
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                links, internet = pool.submit(_scan_kernel_sync).result(timeout=CMD_TIMEOUT * 2)
+                links, internet = pool.submit(_scan_kernel_sync, self.names.host_table).result(timeout=CMD_TIMEOUT * 2)
             slot = self._scan_links(links, internet).get(sandbox_id)
             if slot is not None:
                 self._slots[sandbox_id] = slot
@@ -286,8 +282,8 @@ class NetworkManager:
                 await self.discover()
             if sandbox_id in self._slots or sandbox_id in self._pending:
                 raise RuntimeFailure(f"sandbox {sandbox_id} already has a network slot")
-            if os.path.exists(os.path.join(NETNS_RUN_DIR, netns_name(sandbox_id))):
-                raise RuntimeFailure(f"netns {netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
+            if os.path.exists(os.path.join(NETNS_RUN_DIR, self.names.netns_name(sandbox_id))):
+                raise RuntimeFailure(f"netns {self.names.netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
             self._pending.add(sandbox_id)
         try:
             return await self._allocate(sandbox_id, allow_internet, t0)
@@ -300,9 +296,9 @@ class NetworkManager:
                 index = self._pick_index()
                 self._used.add(index)
             peer_ip, host_ip = slot_addresses(self.subnet, index)
-            name = netns_name(sandbox_id)
+            name = self.names.netns_name(sandbox_id)
             slot = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=host_ip,
-                           veth_host=host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
+                           veth_host=self.names.host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
                            allow_internet=allow_internet)
             try:
                 await self._create(slot)
@@ -417,7 +413,7 @@ class NetworkManager:
     async def _teardown(self, slot: NetSlot) -> None:
         await _delete_link(slot.veth_host)
         _remove_netns(slot.netns)
-        await run_cmd(["nft", "delete", "element", "ip", HOST_TABLE, "internet", f'{{ "{slot.veth_host}" }}'],
+        await run_cmd(["nft", "delete", "element", "ip", self.names.host_table, "internet", f'{{ "{slot.veth_host}" }}'],
                       timeout=CMD_TIMEOUT, check=False)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
@@ -427,14 +423,14 @@ class NetworkManager:
             links = [x async for x in await ipr.link("dump")]
         for link in links:
             ifname = link.get_attr("IFLA_IFNAME") or ""
-            index = parse_host_link(ifname)
+            index = self.names.parse_host_link(ifname)
             if index is None:
                 continue
             sid = link.get_attr("IFLA_IFALIAS") or ""
             if sid in keep:
                 continue
             await _delete_link(ifname)
-            await run_cmd(["nft", "delete", "element", "ip", HOST_TABLE, "internet", f'{{ "{ifname}" }}'],
+            await run_cmd(["nft", "delete", "element", "ip", self.names.host_table, "internet", f'{{ "{ifname}" }}'],
                           timeout=CMD_TIMEOUT, check=False)
             async with self._lock:
                 self._used.discard(index)
@@ -443,10 +439,8 @@ class NetworkManager:
             removed.add(sid or ifname)
         if os.path.isdir(NETNS_RUN_DIR):
             for name in os.listdir(NETNS_RUN_DIR):
-                if not name.startswith(NETNS_PREFIX):
-                    continue
-                sid = name[len(NETNS_PREFIX):]
-                if sid in keep:
+                sid = self.names.sandbox_of_netns(name)
+                if sid is None or sid in keep:
                     continue
                 _remove_netns(name)
                 self._slots.pop(sid, None)
@@ -454,10 +448,10 @@ class NetworkManager:
         return sorted(removed)
 
 
-def _scan_kernel_sync() -> tuple[list, str]:
+def _scan_kernel_sync(host_table: str) -> tuple[list, str]:
     with IPRoute() as ipr:
         links = list(ipr.link("dump"))
-    res = subprocess.run(["nft", "list", "set", "ip", HOST_TABLE, "internet"], capture_output=True,
+    res = subprocess.run(["nft", "list", "set", "ip", host_table, "internet"], capture_output=True,
                          text=True, timeout=CMD_TIMEOUT)
     return links, res.stdout if res.returncode == 0 else ""
 

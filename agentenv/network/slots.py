@@ -24,18 +24,48 @@ NS_HOST_LINK = "host0"    # netns end of the host-facing veth, carries host_ip
 NETNS_RUN_DIR = "/run/netns"
 
 
-def netns_name(sandbox_id: str) -> str:
-    return f"{NETNS_PREFIX}{sandbox_id}"
+@dataclass(frozen=True)
+class SlotNames:
+    """Host-global names of one agentenv instance's network objects.
 
+    Several agentenv instances (node agents of a test cluster, parallel test sessions, a developer's
+    second server) can share one host only if their netns, root-ns links and nft table never
+    collide: a non-empty ``instance`` tag (settings.instance) goes into every name. The default
+    (empty) tag keeps the plain names. Sandbox ids never contain ``-``, so ``agentenv-<id>`` and
+    ``agentenv-<tag>-<id>`` cannot be mistaken for each other.
+    """
 
-def host_link_name(index: int) -> str:
-    return f"{HOST_LINK_PREFIX}{index}"
+    instance: str = ""
 
+    @property
+    def netns_prefix(self) -> str:
+        return f"{NETNS_PREFIX}{self.instance}-" if self.instance else NETNS_PREFIX
 
-def parse_host_link(ifname: str) -> int | None:
-    """Slot index encoded in a root-ns link name, or None if it is not one of ours."""
-    rest = ifname[len(HOST_LINK_PREFIX):] if ifname.startswith(HOST_LINK_PREFIX) else ""
-    return int(rest) if rest.isdigit() else None
+    @property
+    def link_prefix(self) -> str:
+        return f"ae{self.instance}h" if self.instance else HOST_LINK_PREFIX
+
+    @property
+    def host_table(self) -> str:
+        return f"agentenv-{self.instance}" if self.instance else "agentenv"
+
+    def netns_name(self, sandbox_id: str) -> str:
+        return f"{self.netns_prefix}{sandbox_id}"
+
+    def sandbox_of_netns(self, name: str) -> str | None:
+        """The sandbox id a netns name of this instance encodes, or None if it is not ours."""
+        if not name.startswith(self.netns_prefix):
+            return None
+        sid = name[len(self.netns_prefix):]
+        return sid if sid and "-" not in sid else None
+
+    def host_link_name(self, index: int) -> str:
+        return f"{self.link_prefix}{index}"
+
+    def parse_host_link(self, ifname: str) -> int | None:
+        """Slot index encoded in a root-ns link name, or None if it is not one of ours."""
+        rest = ifname[len(self.link_prefix):] if ifname.startswith(self.link_prefix) else ""
+        return int(rest) if rest.isdigit() else None
 
 
 def slot_addresses(subnet: str, index: int) -> tuple[str, str]:

@@ -10,7 +10,7 @@ import requests
 from e2b import Sandbox, SandboxState
 from e2b.exceptions import NotFoundException, SandboxException
 
-from leftovers import agentenv_netns, mounts_under, runsc_containers
+from leftovers import NETNS_PREFIX, agentenv_netns, mounts_under, runsc_containers
 
 
 def api(server, method: str, path: str, body: dict | None = None, timeout: float = 300) -> requests.Response:
@@ -43,8 +43,8 @@ def sandbox_resources(server, sandbox_id: str) -> list[str]:
     left = []
     if sandbox_id in runsc_containers(server.data_dir):
         left.append(f"runsc container {sandbox_id}")
-    if f"agentenv-{sandbox_id}" in agentenv_netns():
-        left.append(f"netns agentenv-{sandbox_id}")
+    if f"{NETNS_PREFIX}{sandbox_id}" in agentenv_netns():
+        left.append(f"netns {NETNS_PREFIX}{sandbox_id}")
     left += [f"mount {m}" for m in mounts_under(server.data_dir / "sandboxes" / sandbox_id)] \
         if (server.data_dir / "sandboxes" / sandbox_id).exists() else []
     return left

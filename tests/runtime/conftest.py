@@ -28,7 +28,7 @@ from agentenv.runtimes.gvisor import GVisorRuntime
 DATA_DIR = Path(os.environ.get("AGENTENV_TEST_RUNTIME_DIR", "/var/tmp/agentenv-test-runtime"))
 LOWER = Path(os.environ.get("AGENTENV_TEST_LOWER", "/var/cache/agentenv-scratch/rootfs"))
 # A subnet of its own so test slots never collide with a dev server's addresses on this host.
-TEST_SUBNET = "10.214.0.0/16"
+TEST_SUBNET = os.environ.get("AGENTENV_TEST_RUNTIME_SUBNET", "10.214.0.0/16")
 PORT = 49983
 GUEST_SERVER = Path(__file__).with_name("guest_server.py")
 
@@ -120,7 +120,7 @@ class SandboxKit:
     boxes: list[Box] = field(default_factory=list)
 
     def new_id(self, prefix: str = "rt") -> str:
-        return f"{prefix}-{uuid.uuid4().hex[:10]}"
+        return f"{prefix}{uuid.uuid4().hex[:10]}"  # no "-": netns names are <prefix><id>
 
     def mount_rootfs(self, box_dir: Path, upper_from: Path | None = None) -> Path:
         """overlay(LOWER, <box_dir>/upper) at <box_dir>/rootfs; upper optionally a copy of another."""

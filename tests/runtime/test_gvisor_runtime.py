@@ -46,7 +46,7 @@ async def assert_gone(kit: SandboxKit, box) -> None:
     assert not link_exists(box.slot.veth_host)
     assert cgroup_dirs(box.sandbox_id) == []
     assert not is_mounted(box.rootfs)
-    nft = run("nft", "list", "set", "ip", "agentenv", "internet").stdout
+    nft = run("nft", "list", "set", "ip", kit.net.names.host_table, "internet").stdout
     assert f'"{box.slot.veth_host}"' not in nft
 
 
@@ -190,7 +190,7 @@ async def test_cleanup_orphans_after_crash(kit: SandboxKit, settings):
     assert net2.slot_for(box.sandbox_id) == box.slot
     assert box.sandbox_id in await rt2.list_ids()
     # Only sandboxes of this data dir are touched; keep every other agentenv netns on the host.
-    others = {n.removeprefix("agentenv-") for n in os.listdir("/run/netns") if n.startswith("agentenv-")}
+    others = {net2.names.sandbox_of_netns(n) for n in os.listdir("/run/netns")} - {None}
     keep = (others | {b.sandbox_id for b in kit.boxes}) - {box.sandbox_id}
     assert box.sandbox_id in await rt2.cleanup_orphans(keep)
     removed = await net2.cleanup_orphans(keep)
@@ -218,7 +218,7 @@ async def test_allocation_speed_and_release(kit: SandboxKit):
             await kit.net.allocate(slots[0].sandbox_id)  # one slot per sandbox
         assert len({s.index for s in slots}) == len(slots)
         assert len({s.host_ip for s in slots}) == len(slots)
-        nft = run("nft", "list", "set", "ip", "agentenv", "internet").stdout
+        nft = run("nft", "list", "set", "ip", kit.net.names.host_table, "internet").stdout
         assert all(f'"{s.veth_host}"' in nft for s in slots)
     finally:
         t0 = time.monotonic()
