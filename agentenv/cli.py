@@ -235,9 +235,10 @@ def keys_create(name: str, team: str, data_dir: str | None) -> None:
 
 
 @keys.command("list")
+@click.option("--team", default=None, help="Only this team's keys.")
 @click.option("--data-dir", default=None)
-def keys_list(data_dir: str | None) -> None:
-    recs = asyncio.run(_with_auth(_settings(data_dir), lambda a: a.list_keys()))
+def keys_list(team: str | None, data_dir: str | None) -> None:
+    recs = asyncio.run(_with_auth(_settings(data_dir), lambda a: a.list_keys(team_id=team)))
     table = Table()
     for c in ("id", "name", "team", "created", "revoked"):
         table.add_column(c)
@@ -252,6 +253,77 @@ def keys_list(data_dir: str | None) -> None:
 def keys_revoke(key_id: str, data_dir: str | None) -> None:
     asyncio.run(_with_auth(_settings(data_dir), lambda a: a.revoke(key_id)))
     click.echo(f"revoked {key_id}")
+
+
+# ---------------------------------------------------------------- teams
+
+
+@main.group()
+def teams() -> None:
+    """Teams (tenants): each API key belongs to one; a team sees only its own sandboxes and snapshots."""
+
+
+def _quota(value: str) -> int | None:
+    if value == "default":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected a number of sandboxes or 'default'") from None
+    if n < 0:
+        raise click.BadParameter("must not be negative")
+    return n
+
+
+@teams.command("create")
+@click.argument("team_id")
+@click.option("--name", default=None, help="Display name (default: the id).")
+@click.option("--max-sandboxes", default=None, help="Concurrent-sandbox quota, or 'default'.")
+@click.option("--data-dir", default=None)
+def teams_create(team_id: str, name: str | None, max_sandboxes: str | None, data_dir: str | None) -> None:
+    """Create a team (idempotent); `agentenv keys create --team ID` then issues its keys."""
+    async def go(a):
+        await a.ensure_team(team_id, name)
+        if max_sandboxes is not None:
+            await a.set_team_quota(team_id, _quota(max_sandboxes))
+        return await a.get_team(team_id)
+
+    team = _run_auth(data_dir, go)
+    click.echo(team.team_id)
+
+
+@teams.command("list")
+@click.option("--data-dir", default=None)
+def teams_list(data_dir: str | None) -> None:
+    settings = _settings(data_dir)
+    recs = _run_auth(data_dir, lambda a: a.list_teams())
+    table = Table()
+    for c in ("team", "name", "max sandboxes", "created"):
+        table.add_column(c)
+    for t in recs:
+        quota = f"{settings.max_sandboxes_per_team} (default)" if t.max_sandboxes is None else str(t.max_sandboxes)
+        table.add_row(t.team_id, t.name, quota, t.created_at.isoformat(timespec="seconds"))
+    Console().print(table)
+
+
+@teams.command("set-quota")
+@click.argument("team_id")
+@click.argument("max_sandboxes")
+@click.option("--data-dir", default=None)
+def teams_set_quota(team_id: str, max_sandboxes: str, data_dir: str | None) -> None:
+    """Set TEAM_ID's concurrent-sandbox limit (a number, or 'default'); a running server sees it at once."""
+    team = _run_auth(data_dir, lambda a: a.set_team_quota(team_id, _quota(max_sandboxes)))
+    click.echo(f"team {team.team_id}: max sandboxes "
+               f"{'default' if team.max_sandboxes is None else team.max_sandboxes}")
+
+
+def _run_auth(data_dir: str | None, fn):
+    from agentenv.errors import AgentEnvError
+
+    try:
+        return asyncio.run(_with_auth(_settings(data_dir), fn))
+    except AgentEnvError as e:
+        raise click.ClickException(e.message) from None
 
 
 # ---------------------------------------------------------------- sandboxes (through the API)

@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     default_timeout_s: int = 300
     max_timeout_s: int = 24 * 3600
     max_sandboxes: int = 200
+    # Concurrent (not paused) sandboxes one team may hold, unless its team record overrides it
+    # (`agentenv teams set-quota`). Exceeding it answers 429 (E2B SDKs: RateLimitException).
+    max_sandboxes_per_team: int = Field(default=100, ge=0)
     max_upload_bytes: int = 1024 * 1024 * 1024
     fork_max_count: int = Field(default=16, ge=1, le=100)  # children per fork call (E2B allows up to 100)
     # Create sandboxes by restoring a pre-booted, checkpointed sandbox of the template (about 2x

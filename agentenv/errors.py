@@ -51,6 +51,12 @@ class PayloadTooLarge(AgentEnvError):
     status = 413
 
 
+class TooManyRequests(AgentEnvError):
+    """A quota is exhausted (E2B SDKs raise RateLimitException for 429)."""
+
+    status = 429
+
+
 class Unavailable(AgentEnvError):
     """Capacity exhausted or a dependency is down; clients may retry."""
 

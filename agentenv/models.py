@@ -137,3 +137,14 @@ class ApiKeyRecord:
     name: str
     created_at: datetime = field(default_factory=utcnow)
     revoked: bool = False
+
+
+@dataclass
+class TeamRecord:
+    """A tenant: API keys belong to a team, and a team sees only its own sandboxes and snapshots."""
+
+    team_id: str
+    name: str
+    # Concurrent (non-paused) sandboxes this team may hold; None = the server's default.
+    max_sandboxes: int | None = None
+    created_at: datetime = field(default_factory=utcnow)

@@ -373,6 +373,26 @@ class _Handlers:
         await self.orch.delete_snapshot(request.match_info["snapshotID"], team_id=request[_TEAM])
         return web.Response(status=204)
 
+    # --- teams and keys: a key manages its own team only -------------------------------------------
+
+    async def list_teams(self, request: web.Request) -> web.Response:
+        team = await self.ctx.auth.ensure_team(request[_TEAM])
+        limit = self.settings.max_sandboxes_per_team if team.max_sandboxes is None else team.max_sandboxes
+        return web.json_response([schemas.team_json(team, limit)])
+
+    async def list_api_keys(self, request: web.Request) -> web.Response:
+        recs = await self.ctx.auth.list_keys(team_id=request[_TEAM])
+        return web.json_response([schemas.api_key_json(r) for r in recs])
+
+    async def create_api_key(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.NewTeamAPIKey, required=True)
+        key, rec = await self.ctx.auth.create_key(body.name, team_id=request[_TEAM])
+        return web.json_response(schemas.api_key_json(rec, key), status=201)
+
+    async def delete_api_key(self, request: web.Request) -> web.Response:
+        await self.ctx.auth.revoke(request.match_info["apiKeyID"], team_id=request[_TEAM])
+        return web.Response(status=204)
+
     async def delete_template(self, request: web.Request) -> web.Response:
         """What the SDK's `Sandbox.delete_snapshot(id)` calls: snapshots are the only deletable templates."""
         template_id = request.match_info["templateID"]
@@ -480,6 +500,10 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("GET", "/snapshots/{snapshotID}", h.get_snapshot)
     add("DELETE", "/snapshots/{snapshotID}", h.delete_snapshot)
     add("DELETE", "/templates/{templateID}", h.delete_template)
+    add("GET", "/teams", h.list_teams)
+    add("GET", "/api-keys", h.list_api_keys)
+    add("POST", "/api-keys", h.create_api_key)
+    add("DELETE", "/api-keys/{apiKeyID}", h.delete_api_key)
 
     app[API_CONTEXT] = ctx
     app.middlewares.append(_make_middleware(ctx))

@@ -1,4 +1,5 @@
-"""API keys: issued as `e2b_<40 hex>`, stored only as sha256 hashes, checked on every API call.
+"""API keys and teams: keys are issued as `e2b_<40 hex>`, stored only as sha256 hashes, checked on
+every API call, and each belongs to one team (the tenant that owns sandboxes and snapshots).
 
 The key shape matches what some E2B SDK versions validate client-side (`^e2b_[0-9a-f]+$`).
 """
@@ -12,7 +13,7 @@ import re
 import secrets
 
 from agentenv.errors import BadRequest, NotFound, Unauthorized
-from agentenv.models import ApiKeyRecord
+from agentenv.models import ApiKeyRecord, TeamRecord
 from agentenv.state.base import StateStore
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "e2b_"
 KEY_RE = re.compile(r"^e2b_[0-9a-f]+$")
 INVALID_KEY_MESSAGE = "Invalid API key"
+TEAM_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
 def generate_api_key() -> str:
@@ -38,8 +40,41 @@ class ApiKeyAuth:
     def __init__(self, store: StateStore):
         self.store = store
 
+    # teams -------------------------------------------------------------------------------------
+
+    async def ensure_team(self, team_id: str, name: str | None = None) -> TeamRecord:
+        """The team `team_id`, created (unlimited quota override) if it does not exist yet."""
+        if not TEAM_ID_RE.match(team_id):
+            raise BadRequest(f"Invalid team id {team_id!r}: use letters, digits, '_', '.', '-' (max 64)")
+        team = await self.store.get_team(team_id)
+        if team is None:
+            team = TeamRecord(team_id=team_id, name=name or team_id)
+            await self.store.put_team(team)
+        return team
+
+    async def get_team(self, team_id: str) -> TeamRecord:
+        team = await self.store.get_team(team_id)
+        if team is None:
+            raise NotFound(f"Team {team_id!r} not found")
+        return team
+
+    async def list_teams(self) -> list[TeamRecord]:
+        return await self.store.list_teams()
+
+    async def set_team_quota(self, team_id: str, max_sandboxes: int | None) -> TeamRecord:
+        """Per-team override of the concurrent-sandbox limit (None = back to the server default)."""
+        if max_sandboxes is not None and max_sandboxes < 0:
+            raise BadRequest("max_sandboxes must not be negative")
+        team = await self.get_team(team_id)
+        team.max_sandboxes = max_sandboxes
+        await self.store.put_team(team)
+        return team
+
+    # keys --------------------------------------------------------------------------------------
+
     async def create_key(self, name: str, team_id: str = "default") -> tuple[str, ApiKeyRecord]:
-        """Returns the plaintext key (shown once, never stored) and its record."""
+        """Returns the plaintext key (shown once, never stored) and its record; creates the team if new."""
+        await self.ensure_team(team_id)
         key = generate_api_key()
         rec = ApiKeyRecord(key_id=secrets.token_hex(8), key_hash=hash_key(key), team_id=team_id, name=name)
         await self.store.put_api_key(rec)
@@ -52,6 +87,7 @@ class ApiKeyAuth:
         """
         if not KEY_RE.match(key):
             raise BadRequest(f"API key must look like {KEY_PREFIX}<lowercase hex>, as E2B SDKs expect")
+        await self.ensure_team(team_id)
         existing = await self.store.find_api_key(hash_key(key))
         if existing is not None:
             if existing.revoked:
@@ -72,9 +108,13 @@ class ApiKeyAuth:
             raise Unauthorized(INVALID_KEY_MESSAGE)
         return rec
 
-    async def list_keys(self) -> list[ApiKeyRecord]:
-        return await self.store.list_api_keys()
+    async def list_keys(self, team_id: str | None = None) -> list[ApiKeyRecord]:
+        return await self.store.list_api_keys(team_id=team_id)
 
-    async def revoke(self, key_id: str) -> None:
+    async def revoke(self, key_id: str, *, team_id: str | None = None) -> None:
+        """Revoke a key; with `team_id` only a key of that team (another team's key is 'not found')."""
+        if team_id is not None:
+            if not any(k.key_id == key_id for k in await self.store.list_api_keys(team_id=team_id)):
+                raise NotFound(f"API key {key_id!r} not found")
         if not await self.store.revoke_api_key(key_id):
             raise NotFound(f"API key {key_id!r} not found")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentenv.config import Settings
 from agentenv.constants import CLIENT_ID, ENVD_VERSION
 from agentenv.errors import AgentEnvError
-from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord, rfc3339
+from agentenv.models import ApiKeyRecord, SandboxRecord, SnapshotRecord, TeamRecord, TemplateRecord, rfc3339
 
 
 class _Body(BaseModel):
@@ -44,6 +44,10 @@ class NetworkConfig(_Body):
 
     def wire(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_unset=True)
+
+
+class NewTeamAPIKey(_Body):
+    name: str = Field(min_length=1, max_length=200)
 
 
 class NewSandboxV2(_Body):
@@ -214,3 +218,16 @@ def fork_result_json(item: SandboxRecord | AgentEnvError, settings: Settings) ->
     if isinstance(item, AgentEnvError):
         return {"error": item.to_json()}
     return {"sandbox": sandbox_json(item, settings)}
+
+
+def team_json(team: TeamRecord, max_sandboxes: int) -> dict[str, Any]:
+    return {"teamID": team.team_id, "name": team.name, "isDefault": True, "maxSandboxes": max_sandboxes}
+
+
+def api_key_json(rec: ApiKeyRecord, key: str | None = None) -> dict[str, Any]:
+    """`TeamAPIKey` (plus `key` right after creation: the only time the plaintext exists)."""
+    out: dict[str, Any] = {"id": rec.key_id, "name": rec.name, "createdAt": rfc3339(rec.created_at),
+                           "revoked": rec.revoked}
+    if key is not None:
+        out["key"] = key
+    return out

@@ -14,6 +14,7 @@ what changed since the previous one, and every child shares the same layers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,14 +23,14 @@ import secrets
 import shutil
 import string
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
-from agentenv.errors import (AgentEnvError, BadRequest, Conflict, NotFound, RuntimeFailure, Unavailable,
+from agentenv.errors import (AgentEnvError, BadRequest, Conflict, NotFound, RuntimeFailure, TooManyRequests, Unavailable,
                              sandbox_not_found)
 from agentenv.models import SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, utcnow
 from agentenv.network.slots import NetSlot
@@ -57,6 +58,9 @@ def new_snapshot_id() -> str:
     return _new_id("s")
 
 
+# States not counted against a team's quota (CREATING/RESUMING are counted by their reservation).
+_NOT_COUNTED = (SandboxState.PAUSED, SandboxState.KILLED, SandboxState.KILLING, SandboxState.CREATING,
+                SandboxState.RESUMING, SandboxState.FAILED)
 _TRANSIENT = (SandboxState.CREATING, SandboxState.FORKING, SandboxState.SNAPSHOTTING, SandboxState.RESUMING)
 
 
@@ -89,6 +93,7 @@ class Orchestrator:
         self._host_token = self._load_host_token()
         self._reaper: asyncio.Task | None = None
         self._creating = 0
+        self._reserved: dict[str, int] = {}  # team -> sandboxes being created/resumed/forked, counted by quota
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
         self._warm_building: dict[str, asyncio.Task] = {}
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
@@ -237,6 +242,40 @@ class Orchestrator:
             raise Unavailable(f"node is at capacity ({self.settings.max_sandboxes} sandboxes); retry later",
                               error_code="capacity_exhausted")
 
+    async def _team_limit(self, team_id: str) -> int:
+        team = await self.store.get_team(team_id)
+        if team is not None and team.max_sandboxes is not None:
+            return team.max_sandboxes
+        return self.settings.max_sandboxes_per_team
+
+    def team_active(self, team_id: str) -> int:
+        """Sandboxes counted against the team's quota: not paused, plus admissions in flight."""
+        settled = sum(1 for r in self._records.values() if r.team_id == team_id and r.state not in _NOT_COUNTED)
+        return settled + self._reserved.get(team_id, 0)
+
+    @contextlib.asynccontextmanager
+    async def _admission(self, team_id: str, n: int = 1) -> AsyncIterator[None]:
+        """Node capacity + the team's concurrent-sandbox quota for `n` more sandboxes, held until they
+        are up (or failed). The check and the reservation happen with no await in between, so
+        concurrent creates cannot both take the last place."""
+        limit = await self._team_limit(team_id)
+        self._admit(n)
+        active = self.team_active(team_id)
+        if active + n > limit:
+            raise TooManyRequests(
+                f"Team sandbox limit reached: at most {limit} concurrent sandboxes "
+                f"({active} running{f', {n} requested' if n > 1 else ''}). Kill or pause one first.",
+                error_code="team_sandbox_limit", headers={"Should-Retry": "false"})
+        self._reserved[team_id] = self._reserved.get(team_id, 0) + n
+        try:
+            yield
+        finally:
+            left = self._reserved[team_id] - n
+            if left:
+                self._reserved[team_id] = left
+            else:
+                del self._reserved[team_id]
+
     async def create_sandbox(self, *, team_id: str, template: str, timeout: int, metadata: dict[str, str],
                              env_vars: dict[str, str], secure: bool = True, auto_pause: bool = False,
                              auto_resume: bool = False, allow_internet_access: bool | None = None,
@@ -246,7 +285,16 @@ class Orchestrator:
         snap = None if tmpl is not None else await self._find_snapshot(template, team_id)
         if tmpl is None and snap is None:
             raise NotFound(f"template '{template}' not found")
-        self._admit()
+        async with self._admission(team_id):
+            return await self._create(team_id=team_id, template=template, tmpl=tmpl, snap=snap, timeout=timeout,
+                                      metadata=metadata, env_vars=env_vars, auto_pause=auto_pause,
+                                      auto_resume=auto_resume, allow_internet_access=allow_internet_access,
+                                      network=network)
+
+    async def _create(self, *, team_id: str, template: str, tmpl: TemplateRecord | None,
+                      snap: SnapshotRecord | None, timeout: int, metadata: dict[str, str],
+                      env_vars: dict[str, str], auto_pause: bool, auto_resume: bool,
+                      allow_internet_access: bool | None, network: dict | None) -> SandboxRecord:
         now = utcnow()
         src = snap if snap is not None else tmpl
         rec = SandboxRecord(
@@ -701,8 +749,12 @@ class Orchestrator:
             return replace(rec), False
 
     async def _resume_locked(self, rec: SandboxRecord, timeout: int) -> None:
+        check(rec.state, "resume", rec.sandbox_id)
+        async with self._admission(rec.team_id):
+            await self._resume_admitted(rec, timeout)
+
+    async def _resume_admitted(self, rec: SandboxRecord, timeout: int) -> None:
         transient, final = check(rec.state, "resume", rec.sandbox_id)
-        self._admit()
         rec.state = transient
         ckpt = self._checkpoint_dir(rec.sandbox_id)
         full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
@@ -809,8 +861,12 @@ class Orchestrator:
             raise BadRequest(f"count must be between 1 and {self.settings.fork_max_count}")
         timeout = self.settings.default_timeout_s if timeout is None else timeout
         self._check_timeout(timeout)
-        self._get_live(sandbox_id, team_id)
-        self._admit(count)
+        source = self._get_live(sandbox_id, team_id)
+        async with self._admission(source.team_id, count):
+            return await self._fork_admitted(sandbox_id, team_id, count, timeout)
+
+    async def _fork_admitted(self, sandbox_id: str, team_id: str, count: int,
+                             timeout: int) -> list[SandboxRecord | AgentEnvError]:
         t0 = time.monotonic()
         rec, mem = await self._locked_capture(sandbox_id, team_id, "fork")
         source_back = time.monotonic() - t0

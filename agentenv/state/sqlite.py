@@ -17,7 +17,7 @@ from typing import Any
 
 import aiosqlite
 
-from agentenv.models import ApiKeyRecord, SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord
+from agentenv.models import ApiKeyRecord, SandboxRecord, SandboxState, SnapshotRecord, TeamRecord, TemplateRecord
 
 # Append-only: migration N brings the schema from version N to N+1. Never edit a released entry.
 MIGRATIONS: list[str] = [
@@ -93,6 +93,18 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX snapshots_team ON snapshots (team_id, created_at);
     """,
+    # 2 -> 3: teams (tenants) with an optional concurrent-sandbox quota; every existing key's team exists.
+    """
+    CREATE TABLE teams (
+        team_id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        max_sandboxes INTEGER,
+        created_at TEXT NOT NULL
+    );
+    INSERT OR IGNORE INTO teams (team_id, name, created_at)
+        SELECT DISTINCT team_id, team_id, MIN(created_at) FROM api_keys GROUP BY team_id;
+    CREATE INDEX api_keys_team ON api_keys (team_id);
+    """,
 ]
 
 _SANDBOX_COLS = (
@@ -107,6 +119,7 @@ _SNAPSHOT_COLS = (
 )
 _TEMPLATE_COLS = ("template_id", "aliases", "cpu_count", "memory_mb", "disk_mb", "image", "public", "created_at")
 _KEY_COLS = ("key_id", "key_hash", "team_id", "name", "created_at", "revoked")
+_TEAM_COLS = ("team_id", "name", "max_sandboxes", "created_at")
 
 
 def _ts(dt: datetime) -> str:
@@ -370,11 +383,33 @@ class SQLiteStateStore:
         rows = await self._fetch("SELECT * FROM api_keys WHERE key_hash = ?", (key_hash,))
         return self._key(rows[0]) if rows else None
 
-    async def list_api_keys(self) -> list[ApiKeyRecord]:
-        return [self._key(r) for r in await self._fetch("SELECT * FROM api_keys ORDER BY created_at, key_id")]
+    async def list_api_keys(self, *, team_id: str | None = None) -> list[ApiKeyRecord]:
+        sql, params = "SELECT * FROM api_keys", []
+        if team_id is not None:
+            sql, params = sql + " WHERE team_id = ?", [team_id]
+        return [self._key(r) for r in await self._fetch(sql + " ORDER BY created_at, key_id", params)]
 
     async def revoke_api_key(self, key_id: str) -> bool:
         return await self._write("UPDATE api_keys SET revoked = 1 WHERE key_id = ?", (key_id,)) > 0
+
+    # teams --------------------------------------------------------------------------------------
+
+    async def put_team(self, rec: TeamRecord) -> None:
+        values = {"team_id": rec.team_id, "name": rec.name, "max_sandboxes": rec.max_sandboxes,
+                  "created_at": _ts(rec.created_at)}
+        await self._write(_insert_sql("teams", _TEAM_COLS), [values[c] for c in _TEAM_COLS])
+
+    @staticmethod
+    def _team(row: aiosqlite.Row) -> TeamRecord:
+        return TeamRecord(team_id=row["team_id"], name=row["name"], max_sandboxes=row["max_sandboxes"],
+                          created_at=_dt(row["created_at"]))
+
+    async def get_team(self, team_id: str) -> TeamRecord | None:
+        rows = await self._fetch("SELECT * FROM teams WHERE team_id = ?", (team_id,))
+        return self._team(rows[0]) if rows else None
+
+    async def list_teams(self) -> list[TeamRecord]:
+        return [self._team(r) for r in await self._fetch("SELECT * FROM teams ORDER BY created_at, team_id")]
 
     # snapshots ----------------------------------------------------------------------------------
 

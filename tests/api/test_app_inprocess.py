@@ -824,3 +824,31 @@ async def test_e2b_sdk_pause_fork_snapshot_calls(env):
     for f in forks:
         await f.kill()
     await AsyncSandbox.kill(sid, **opts)
+
+
+# --- teams and API keys ------------------------------------------------------------------------------
+
+
+async def test_api_keys_create_list_revoke_scoped_to_team(env):
+    r = await env.client.get("/teams")
+    assert r.status_code == 200 and [t["teamID"] for t in r.json()] == ["default"]
+    assert r.json()[0]["maxSandboxes"] == env.settings.max_sandboxes_per_team
+    r = await env.client.post("/api-keys", json={"name": "ci"})
+    assert r.status_code == 201
+    created = r.json()
+    assert created["key"].startswith("e2b_") and created["name"] == "ci"
+    # the new key works and belongs to the same team
+    r = await env.client.get("/v2/sandboxes", key=created["key"])
+    assert r.status_code == 200
+    listed = (await env.client.get("/api-keys")).json()
+    assert created["id"] in {k["id"] for k in listed} and all("key" not in k for k in listed)
+    # the other team sees none of these keys and cannot revoke them (404, no detail)
+    assert created["id"] not in {k["id"] for k in (await env.other.get("/api-keys")).json()}
+    r = await env.other.delete(f"/api-keys/{created['id']}")
+    assert r.status_code == 404 and "default" not in r.json()["message"]
+    assert (await env.client.get("/v2/sandboxes", key=created["key"])).status_code == 200
+    # revoked by its own team: refused from then on
+    assert (await env.client.delete(f"/api-keys/{created['id']}")).status_code == 204
+    assert (await env.client.get("/v2/sandboxes", key=created["key"])).status_code == 401
+    r = await env.client.post("/api-keys", json={"name": ""})
+    assert r.status_code == 400

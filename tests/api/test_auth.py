@@ -60,3 +60,26 @@ async def test_ensure_key_is_idempotent_and_respects_revocation(auth):
 async def test_ensure_key_rejects_keys_sdks_would_refuse(auth):
     with pytest.raises(BadRequest):
         await auth.ensure_key("not-an-e2b-key", "bootstrap")
+
+
+async def test_teams_quota_and_team_scoped_keys(auth):
+    key_a, rec_a = await auth.create_key("a", team_id="team-a")
+    _, rec_b = await auth.create_key("b", team_id="team-b")
+    assert {t.team_id for t in await auth.list_teams()} == {"team-a", "team-b"}  # created with their first key
+    assert (await auth.get_team("team-a")).max_sandboxes is None
+    assert (await auth.set_team_quota("team-a", 3)).max_sandboxes == 3
+    assert (await auth.get_team("team-a")).max_sandboxes == 3
+    assert (await auth.set_team_quota("team-a", None)).max_sandboxes is None
+    with pytest.raises(NotFound):
+        await auth.set_team_quota("no-team", 1)
+    with pytest.raises(BadRequest):
+        await auth.ensure_team("bad/team")
+    assert [k.key_id for k in await auth.list_keys(team_id="team-a")] == [rec_a.key_id]
+    # a team cannot revoke another team's key, and is told only "not found"
+    with pytest.raises(NotFound) as e:
+        await auth.revoke(rec_b.key_id, team_id="team-a")
+    assert "team-b" not in e.value.message
+    assert (await auth.authenticate(key_a)).team_id == "team-a"
+    await auth.revoke(rec_a.key_id, team_id="team-a")
+    with pytest.raises(Unauthorized):
+        await auth.authenticate(key_a)

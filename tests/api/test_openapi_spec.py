@@ -33,6 +33,10 @@ EXPECTED = {
     ("get", "/templates"): {"200"},
     ("get", "/health"): {"200"},
     ("get", "/openapi.yaml"): {"200"},
+    ("get", "/teams"): {"200"},
+    ("get", "/api-keys"): {"200"},
+    ("post", "/api-keys"): {"201"},
+    ("delete", "/api-keys/{apiKeyID}"): {"204"},
 }
 PUBLIC = {("get", "/health"), ("get", "/openapi.yaml")}
 METHODS = {"get", "post", "put", "delete", "patch"}
