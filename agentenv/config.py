@@ -35,7 +35,11 @@ class Settings(BaseSettings):
     # Domain returned to SDKs for get_host(): "<port>-<sandboxID>.<domain>".
     domain: str | None = None
 
-    runtime: str = "gvisor"
+    # auto | gvisor | firecracker | qemu (agentenv/runtimes/select.py; docs/runtimes.md). `auto` takes
+    # the strongest isolation this host proves it can run; an explicit VM runtime never degrades.
+    runtime: str = Field(default="auto", pattern=r"^(auto|gvisor|firecracker|qemu)$")
+    # Firecracker binary (default: scripts/install-firecracker.sh's /usr/local/lib/agentenv/firecracker, then $PATH).
+    firecracker_path: str | None = None
     runsc_path: str = "runsc"
     runsc_platform: str = "ptrace"
     debian_mirror: str = "http://deb.debian.org/debian"

