@@ -139,12 +139,24 @@ def _require_root() -> None:
 
 @main.command()
 @click.option("--data-dir", default=None)
-def doctor(data_dir: str | None) -> None:
-    """Check the host: runsc, debootstrap, netns, cgroups, overlayfs, KVM, free disk."""
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def doctor(data_dir: str | None, as_json: bool) -> None:
+    """Check the host: runsc, debootstrap, netns, cgroups, overlayfs, KVM, runtimes (and auto's pick), disk."""
     from agentenv.doctor import run_checks
 
     settings = _settings(data_dir)
     results = run_checks(settings)
+    if as_json:
+        click.echo(json.dumps([r.__dict__ for r in results], indent=1))
+        if any(r.status == "fail" for r in results):
+            sys.exit(1)
+        return
+    if not sys.stdout.isatty():   # plain lines for logs and pipes (a table would wrap every cell)
+        for r in results:
+            click.echo(f"{r.name}: {r.status}: {r.detail}" + (f" (fix: {r.fix})" if r.fix else ""))
+        if any(r.status == "fail" for r in results):
+            sys.exit(1)
+        return
     table = Table(title="agentenv doctor")
     for col in ("check", "status", "detail", "how to fix"):
         table.add_column(col)

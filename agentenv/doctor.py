@@ -92,15 +92,43 @@ def check_overlay() -> Check:
 
 def check_kvm() -> Check:
     """Which kind of KVM, if any: hardware (vmx/svm), software PVM, or none (microVM runtimes)."""
-    if not Path("/dev/kvm").exists():
-        return Check("KVM", "info", "no /dev/kvm: microVM runtimes unavailable (gVisor works)")
-    cpuinfo = Path("/proc/cpuinfo").read_text()
-    pvm = Path("/sys/module/kvm_pvm").exists()  # built-in modules show here, not in /proc/modules
-    if re.search(r"\b(vmx|svm)\b", cpuinfo):
-        return Check("KVM", "ok", "hardware virtualization (Firecracker/QEMU+KVM can run)")
-    if pvm:
-        return Check("KVM", "info", "software PVM KVM: stock guest kernels cannot boot; QEMU TCG only")
-    return Check("KVM", "warn", "/dev/kvm present but no vmx/svm flag")
+    from agentenv.runtimes.select import detect_virt
+
+    virt = detect_virt()
+    if virt.kind == "none":
+        return Check("KVM", "info", f"{virt.detail}: microVM runtimes unavailable (gVisor works)")
+    if virt.kind == "hardware":
+        return Check("KVM", "ok", f"{virt.detail}: Firecracker / QEMU+KVM can boot Linux guests")
+    if virt.kind == "pvm":
+        return Check("KVM", "info", virt.detail)
+    return Check("KVM", "warn", virt.detail)
+
+
+def check_runtimes(settings: Settings) -> list[Check]:
+    """Every runtime's verdict (VMMs boot a probe guest) and what `runtime = auto` picks."""
+    import asyncio
+
+    from agentenv.runtimes import select
+
+    async def go() -> tuple[list[select.Probe], select.Selection | None, str | None]:
+        virt = select.detect_virt()
+        probes = await select.probe_all(settings, virt, fresh=True)
+        try:
+            return probes, await select.choose(settings, virt=virt, probes=probes), None
+        except select.RuntimeUnavailable as e:
+            return probes, None, e.message
+
+    probes, sel, err = asyncio.run(go())
+    out = []
+    for p in probes:
+        status = "ok" if p.available else ("info" if p.runtime in select.VM_RUNTIMES else "fail")
+        out.append(Check(f"runtime {p.runtime}", status, p.reason, p.fix))
+    if sel is None:
+        out.append(Check(f"runtime selection ({settings.runtime})", "fail", err or "no runtime",
+                         "see the runtime rows above"))
+    else:
+        out.append(Check(f"runtime selection ({settings.runtime})", "ok", sel.summary))
+    return out
 
 
 def check_disk(settings: Settings) -> Check:
@@ -120,6 +148,7 @@ def run_checks(settings: Settings) -> list[Check]:
         check_tool("debootstrap", "debootstrap", "builds the base image"),
         check_tool("nft", "nftables", "sandbox NAT and egress rules"),
         check_tool("iptables", "iptables", "sandbox NAT"),
-        check_netns(), check_cgroups(), check_overlay(), check_kvm(), check_disk(settings),
+        check_netns(), check_cgroups(), check_overlay(), check_kvm(), *check_runtimes(settings),
+        check_disk(settings),
         Check("data dir", "info", str(settings.data_dir)),
     ]

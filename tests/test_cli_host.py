@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 
+import pytest
+
 from serverproc import agentenv_executable, new_data_dir, remove_data_dir, run_gc
 
 
@@ -31,5 +33,52 @@ def test_serve_on_a_busy_port_fails_with_a_clear_error_and_exits():
         assert "Traceback" not in p.stderr
     finally:
         blocker.close()
+        run_gc(d)
+        remove_data_dir(d)
+
+
+def _host_virt_facts() -> tuple[bool, bool]:
+    """(hardware virtualization, PVM), read from the host directly (not through agentenv's detector)."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    return bool(flags & {"vmx", "svm"}), os.path.exists("/sys/module/kvm_pvm")
+
+
+def test_doctor_explains_firecracker_and_the_auto_choice():
+    import json
+
+    p = subprocess.run([agentenv_executable(), "doctor", "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    checks = {c["name"]: c for c in json.loads(p.stdout)}
+    fc, sel = checks["runtime firecracker"], checks["runtime selection (auto)"]
+    hardware, pvm = _host_virt_facts()
+    chosen = sel["detail"].split()[0]
+    assert chosen in ("gvisor", "firecracker", "qemu"), sel
+    assert checks[f"runtime {chosen}"]["status"] == "ok"
+    if not hardware and os.path.exists("/dev/kvm"):
+        # This machine's case: Firecracker runs (the probe guest boots) but Linux guests cannot.
+        assert fc["status"] != "ok" and chosen != "firecracker"
+        assert "cannot boot a Linux guest" in fc["detail"] and "no vmx/svm" in fc["detail"], fc
+        if pvm:
+            assert "PVM" in fc["detail"] and "kvm_pvm" in fc["detail"], fc
+        if os.path.exists("/usr/local/lib/agentenv/firecracker/firecracker"):
+            assert "probe guest booted" in fc["detail"], fc
+        assert "firecracker" in sel["detail"].split("unavailable here:")[1], sel
+        assert "VT-x" in (fc["fix"] or ""), fc
+
+
+def test_serve_with_an_unavailable_vm_runtime_fails_with_the_reason():
+    hardware, _ = _host_virt_facts()
+    if hardware:
+        pytest.skip("this host has hardware virtualization: Firecracker is not unavailable for that reason")
+    d = new_data_dir("fcrt")
+    try:
+        env = dict(os.environ, AGENTENV_DATA_DIR=str(d), AGENTENV_RUNTIME="firecracker", AGENTENV_PORT="1")
+        p = subprocess.run([agentenv_executable(), "serve"], env=env, capture_output=True, text=True,
+                           timeout=180, stdin=subprocess.DEVNULL)
+        assert p.returncode != 0
+        assert "runtime 'firecracker' was requested but cannot run on this host" in p.stderr, p.stderr[-2000:]
+        assert "no fallback" in p.stderr and "Traceback" not in p.stderr
+    finally:
         run_gc(d)
         remove_data_dir(d)

@@ -150,6 +150,7 @@ def _listed_common(rec: SandboxRecord) -> dict[str, Any]:
         "diskSizeMB": rec.disk_mb,
         "state": rec.state.public,
         "metadata": dict(rec.metadata),
+        "runtime": rec.runtime,
     }
     if rec.alias:
         out["alias"] = rec.alias

@@ -37,6 +37,7 @@ from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.lifecycle import Lifecycle, check
 from agentenv.runtimes.base import Runtime, SandboxSpec
+from agentenv.runtimes import select as runtime_select
 from agentenv.state.base import StateStore
 from agentenv.storage.artifacts import ArtifactCache
 
@@ -281,6 +282,7 @@ class Orchestrator:
                              auto_resume: bool = False, allow_internet_access: bool | None = None,
                              network: dict | None = None) -> SandboxRecord:
         self._check_timeout(timeout)
+        await runtime_select.check_request(self.settings, metadata.get(runtime_select.METADATA_KEY), self.runtime.name)
         tmpl = await self.store.get_template(template)
         snap = None if tmpl is not None else await self._find_snapshot(template, team_id)
         if tmpl is None and snap is None:
@@ -319,7 +321,8 @@ class Orchestrator:
             await self._spawn(rec)  # a filesystem-only snapshot: boot fresh on its layers
         else:
             await self._spawn_from_template(rec, tmpl)
-        log.info("created sandbox %s from %s in %.3fs", rec.sandbox_id, template, time.monotonic() - t0)
+        log.info("created sandbox %s from %s in %.3fs (runtime %s)", rec.sandbox_id, template,
+                 time.monotonic() - t0, rec.runtime)
         return rec
 
     # ------------------------------------------------------------------ warm start

@@ -273,9 +273,10 @@ register("firecracker", _firecracker, _probe_firecracker, vm=True)
 class Selection:
     runtime: str
     requested: str
-    reason: str
+    reason: str                   # full: why this one, and why each stronger one is unavailable
     probes: list[Probe]
     virt: HostVirt
+    summary: str = ""             # one line for tables
 
 
 _cache: dict[tuple, tuple[float, list[Probe]]] = {}
@@ -324,7 +325,7 @@ async def choose(settings: Settings, requested: str | None = None, *, virt: Host
             fix = f" Fix: {p.fix}." if p.fix else ""
             raise RuntimeUnavailable(f"runtime {want!r} was requested but cannot run on this host: {p.reason}.{fix} "
                                      "(no fallback to another runtime: ask for 'auto' to let agentenv choose)")
-        return Selection(want, want, f"requested explicitly; {p.reason}", probes, virt)
+        return Selection(want, want, f"requested explicitly; {p.reason}", probes, virt, f"{want} (requested)")
     ok = sorted((p for p in probes if p.available), key=lambda p: -p.strength)
     if not ok:
         raise RuntimeUnavailable("no runtime can run on this host: " +
@@ -335,7 +336,10 @@ async def choose(settings: Settings, requested: str | None = None, *, virt: Host
     why = f"strongest available isolation ({best.isolation or best.runtime}): {best.reason}"
     if skipped:
         why += " | stronger but unavailable: " + "; ".join(skipped)
-    return Selection(best.runtime, "auto", why, probes, virt)
+    names = [p.runtime for p in probes if not p.available and p.strength > best.strength]
+    summary = f"{best.runtime} ({best.isolation or 'available'})" + (
+        f"; stronger but unavailable here: {', '.join(names)}" if names else "")
+    return Selection(best.runtime, "auto", why, probes, virt, summary)
 
 
 def build(settings: Settings, name: str) -> Any:
@@ -349,3 +353,18 @@ def build(settings: Settings, name: str) -> Any:
 def is_vm(name: str) -> bool:
     e = _REGISTRY.get(name)
     return bool(e and e.vm)
+
+
+async def check_request(settings: Settings, requested: str | None, serving: str) -> None:
+    """A create request's runtime choice (metadata `agentenv.runtime`) against the node's runtime.
+
+    A node runs one runtime. `auto`/absent/the node's own runtime are fine; anything else fails with
+    the reason: the host's, when that runtime cannot run here at all (e.g. Firecracker on PVM), else
+    that this node serves another one. Never a silent substitution.
+    """
+    want = normalise(requested)
+    if want in (None, "auto") or want == serving:
+        return
+    await choose(settings, want)   # raises RuntimeUnavailable with the host's reason
+    raise RuntimeUnavailable(f"runtime {want!r} can run on this host, but this node serves {serving!r} "
+                             f"sandboxes; start the server with AGENTENV_RUNTIME={want} for {want} sandboxes")
