@@ -80,6 +80,15 @@ class Settings(BaseSettings):
     s3_secret_key: str | None = None
     s3_region: str = "us-east-1"
 
+    # Observability (docs/observability.md). Server logs: "json" (one object per line, request ids)
+    # or "text". /metrics is open unless metrics_bearer_token is set (then: that bearer token or an API key).
+    log_format: str = Field(default="json", pattern=r"^(json|text)$")
+    metrics_bearer_token: str | None = None
+    metrics_sample_interval_s: float = Field(default=2.0, gt=0)  # sandbox CPU/memory/disk sampling period
+    metrics_history: int = Field(default=900, ge=2)  # samples kept per sandbox (30 min at 2 s)
+    events_webhook_url: str | None = None  # every lifecycle event is POSTed here as JSON
+    console: bool = True  # the read-only web console at /console
+
     # API key created on first start if none exists (printed by `serve`).
     bootstrap_api_key: str | None = Field(default=None)
 

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -54,6 +54,7 @@ class Components:
     images: ImageStore
     orchestrator: Orchestrator
     proxy: TrafficProxy
+    observability: Any = None  # agentenv.observability.Observability
 
 
 async def build(settings: Settings) -> Components:
@@ -80,7 +81,10 @@ async def build(settings: Settings) -> Components:
                         runtime, ArtifactCache(settings.data_dir, snapshot_store))
     proxy = TrafficProxy(orch, domain=settings.domain)
     orch.on_before_stop.append(proxy.close_sandbox_connections)
-    return Components(settings, store, auth, images, orch, proxy)
+    from agentenv.observability import Observability
+
+    obs = Observability(settings, orch).attach(proxy=proxy, snapshot_store=orch.artifacts.store)
+    return Components(settings, store, auth, images, orch, proxy, obs)
 
 
 def make_app(c: Components) -> web.Application:
@@ -94,7 +98,15 @@ def make_app(c: Components) -> web.Application:
 
     # client_max_size bounds JSON bodies of the control API; proxied bodies are streamed.
     app = web.Application(middlewares=[sandbox_traffic], client_max_size=16 * 1024 * 1024)
-    setup_api(app, c.orchestrator, c.auth, c.settings)
+    if c.observability is not None:
+        from agentenv.observability import http_metrics_middleware
+
+        app.middlewares.append(http_metrics_middleware(c.observability))
+    api = setup_api(app, c.orchestrator, c.auth, c.settings)
+    if c.observability is not None:
+        from agentenv.observability.api import mount_observability
+
+        mount_observability(app, c.observability, api)
     return app
 
 
@@ -132,6 +144,9 @@ async def serve(settings: Settings, *, progress=None) -> None:
     from agentenv.proxy import LISTENER_OPTIONS
     from agentenv.runtimes._reaper import become_subreaper, reap_forever
 
+    from agentenv.observability.logs import configure_logging
+
+    configure_logging(logging.getLevelName(logging.getLogger().level), settings.log_format)
     become_subreaper()
     reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
     c = await build(settings)
@@ -145,6 +160,8 @@ async def serve(settings: Settings, *, progress=None) -> None:
         api_key = await _bootstrap_key(c, settings)
         await c.orchestrator.start()
         started = True
+        if c.observability is not None:
+            await c.observability.start()
 
         runner = web.AppRunner(make_app(c), access_log=None, handle_signals=False, **LISTENER_OPTIONS)
         await runner.setup()
@@ -179,6 +196,8 @@ async def serve(settings: Settings, *, progress=None) -> None:
             await site.stop()
         if started:
             await c.orchestrator.stop()
+        if c.observability is not None:
+            await c.observability.stop()
         await c.proxy.close()
         if runner is not None:
             await runner.cleanup()

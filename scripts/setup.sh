@@ -71,9 +71,14 @@ SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-
 if ! command -v runsc >/dev/null 2>&1; then
   SYSTEM_PKGS+=(runsc)
 fi
-if [ "$WITH_TEST" -eq 1 ] && ! { command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; }; then
+# Node.js/npm always: the web console's libraries come from npm (agentenv/console/package.json).
+if ! { command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; }; then
   # Only when Node.js is absent: a nodejs from another source (e.g. nodesource) ships npm itself.
   SYSTEM_PKGS+=(nodejs npm)
+fi
+# chromium: the console's browser test (tests/console) drives Debian's headless Chromium.
+if [ "$WITH_TEST" -eq 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  SYSTEM_PKGS+=(chromium)
 fi
 apt_install "${SYSTEM_PKGS[@]}"
 command -v runsc >/dev/null 2>&1 || die "runsc (gVisor) is not installed and could not be installed"
@@ -175,6 +180,25 @@ if [ "$WITH_TEST" -eq 1 ] || [ "${AGENTENV_WITH_FIRECRACKER:-0}" = "1" ]; then
   else
     log "skipping Firecracker: pinned binaries are x86_64 only"
   fi
+fi
+
+# --- npm ci for the web console (always) and its browser test (--test) ---------
+npm_ci_dir() {
+  # npm ci in $1 unless package.json + package-lock.json + node version are unchanged since the last run.
+  local dir="$1" stamp want
+  stamp="$dir/node_modules/.agentenv-setup-stamp"
+  want="$(cat "$dir/package.json" "$dir/package-lock.json" | sha256sum | cut -d' ' -f1) $(node --version)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    log "${dir#"$REPO_ROOT"/} node_modules up to date"
+  else
+    log "npm ci in ${dir#"$REPO_ROOT"/}"
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
+    printf '%s\n' "$want" > "$stamp"
+  fi
+}
+npm_ci_dir "$REPO_ROOT/agentenv/console"
+if [ "$WITH_TEST" -eq 1 ]; then
+  npm_ci_dir "$REPO_ROOT/tests/console"
 fi
 
 log "done"

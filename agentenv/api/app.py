@@ -29,6 +29,7 @@ from agentenv.api.auth import ApiKeyAuth
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord
+from agentenv.observability.logs import REQUEST_ID
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class ApiContext:
     settings: Settings
     routes: set[AbstractRoute] = field(default_factory=set)
     public_routes: set[AbstractRoute] = field(default_factory=set)
+    observability: Any = None  # agentenv.observability.Observability, set by the server
 
 
 API_CONTEXT = web.AppKey("agentenv_api", ApiContext)
@@ -413,7 +415,7 @@ def _make_middleware(ctx: ApiContext):
         routing_error = match.http_exception
         if routing_error is None and match.route not in ctx.routes:
             return await handler(request)  # someone else's route: not ours to touch
-        request_id = uuid.uuid4().hex[:16]
+        request_id = REQUEST_ID.get() or uuid.uuid4().hex[:16]  # the observability middleware's, if any
         request[_REQUEST_ID] = request_id
         resp: web.StreamResponse
         if routing_error is not None:
@@ -484,6 +486,10 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("POST", "/sandboxes", h.create_v1)
     add("GET", "/v2/sandboxes", h.list_v2)
     add("POST", "/v2/sandboxes", h.create_v2)
+    from agentenv.observability.api import api_routes  # before /sandboxes/{sandboxID}: /sandboxes/metrics
+
+    for method, path, handler in api_routes(ctx, lambda request: request[_TEAM]):
+        add(method, path, handler)
     add("GET", "/sandboxes/{sandboxID}", h.get_sandbox)
     add("DELETE", "/sandboxes/{sandboxID}", h.kill_sandbox)
     add("POST", "/sandboxes/{sandboxID}/timeout", h.set_timeout)

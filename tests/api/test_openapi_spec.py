@@ -37,6 +37,14 @@ EXPECTED = {
     ("get", "/api-keys"): {"200"},
     ("post", "/api-keys"): {"201"},
     ("delete", "/api-keys/{apiKeyID}"): {"204"},
+    # observability (agentenv/observability/api.py)
+    ("get", "/sandboxes/metrics"): {"200"},
+    ("get", "/sandboxes/{sandboxID}/metrics"): {"200"},
+    ("get", "/sandboxes/{sandboxID}/logs"): {"200"},
+    ("get", "/v2/sandboxes/{sandboxID}/logs"): {"200"},
+    ("get", "/events"): {"200"},
+    ("get", "/observability/nodes"): {"200"},
+    ("get", "/observability/lineage"): {"200"},
 }
 PUBLIC = {("get", "/health"), ("get", "/openapi.yaml")}
 METHODS = {"get", "post", "put", "delete", "patch"}
