@@ -38,6 +38,9 @@ sys.path.insert(0, str(REPO))
 BENCH_DIR = Path(os.environ.get("AGENTENV_BENCH_DATA_DIR", "/var/tmp/agentenv-bench"))
 TEST_IMAGES = Path(os.environ.get("AGENTENV_BENCH_IMAGES_FROM", "/var/tmp/agentenv-test/images"))
 RESULTS = REPO / "benchmarks" / "results"
+sys.path.insert(0, str(REPO / "benchmarks"))
+# Steps that need neither the agentenv server nor the raw runsc baseline.
+SERVERLESS_STEPS = {"firecracker"}
 AGENTENV = str(Path(sys.prefix) / "bin" / "agentenv")
 RAW_PORT = 49983
 MiB = 1024 * 1024
@@ -677,12 +680,20 @@ class Bench:
 
     def run_all(self, only: set[str]) -> None:
         steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
-                 ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot)]
+                 ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot),
+                 ("firecracker", self.bench_firecracker)]
         for name, fn in steps:
             if only and name not in only:
                 continue
             t0 = time.monotonic()
             for attempt in (1, 2, 3, 4):
+                if name in SERVERLESS_STEPS:
+                    try:
+                        fn()
+                    except Exception as e:  # noqa: BLE001
+                        log(f"{name} FAILED: {e}")
+                        self.results.setdefault("errors", {})[name] = traceback.format_exc()
+                    break
                 self.ensure_server()
                 try:
                     fn()
@@ -696,8 +707,14 @@ class Bench:
                     log(f"{name}: the server is gone (killed from outside?); restarting it and retrying")
             self.results.setdefault("durations_s", {})[name] = round(time.monotonic() - t0, 1)
 
+    def bench_firecracker(self) -> None:
+        """Firecracker snapshot load through our runtime vs the bare VMM (benchmarks/firecracker_bench.py)."""
+        import firecracker_bench
+
+        self.results["firecracker"] = asyncio.run(firecracker_bench.run(self.quick, BENCH_DIR / "fc", log=log))
+
     def ensure_server(self) -> None:
-        if self.srv.alive():
+        if self.srv is None or self.srv.alive():
             return
         tail = self.srv.log_since(max(0, self.srv.log_mark() - 600)).strip().splitlines()[-3:]
         self.results.setdefault("server_restarts", []).append(
@@ -837,6 +854,10 @@ def report(res: dict) -> str:
         L.append("")
     if res.get("errors"):
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
+    if "firecracker" in res:
+        import firecracker_bench
+
+        L += firecracker_bench.report(res["firecracker"])
     return "\n".join(L)
 
 
@@ -845,7 +866,7 @@ def report(res: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
-    ap.add_argument("--only", default="", help="comma list of: create,exec,files,pause,fork,snapshot")
+    ap.add_argument("--only", default="", help="comma list of: create,exec,files,pause,fork,snapshot,firecracker")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)
@@ -859,11 +880,14 @@ def main() -> int:
     raw = None
     rc = 0
     try:
-        srv.prepare()
-        srv.start()
-        raw = Raw(BENCH_DIR)
-        raw.run(raw.setup())
-        b = Bench(args.quick, srv, raw)
+        if only and only <= SERVERLESS_STEPS:
+            b = Bench(args.quick, None, None)
+        else:
+            srv.prepare()
+            srv.start()
+            raw = Raw(BENCH_DIR)
+            raw.run(raw.setup())
+            b = Bench(args.quick, srv, raw)
         b.run_all(only)
         res.update(b.results)
     except Exception:  # noqa: BLE001

@@ -357,14 +357,21 @@ def _pid_is_vmm(pid: int, vm_id: str) -> bool:
 # ---------------------------------------------------------------------------------------- network
 
 
+_taps_ready: set[tuple[str, int]] = set()   # (netns path, netns inode) known to have our tap
+
+
 async def setup_tap(netns_path: str | None) -> None:
-    """tap0 in the slot netns, bridged with the guest-side veth end, so the guest owns GUEST_IP (idempotent)."""
+    """tap0 in the slot netns, bridged with the guest-side veth end, so the guest owns GUEST_IP (idempotent).
+
+    One `ip -batch` per new netns; a netns this process already set up (same path *and* inode: a
+    released slot's name can come back as a new netns) costs nothing.
+    """
     if netns_path is None:
         return
-    ns = os.path.basename(netns_path)
-    res = await run_cmd(["ip", "-n", ns, "-o", "link", "show", TAP], timeout=10, check=False, what="ip link show")
-    if res.returncode == 0:
+    key = (netns_path, os.stat(netns_path).st_ino)
+    if key in _taps_ready:
         return
+    ns = os.path.basename(netns_path)
     batch = "\n".join([
         f"link add {BRIDGE} type bridge",
         f"tuntap add dev {TAP} mode tap",
@@ -373,7 +380,16 @@ async def setup_tap(netns_path: str | None) -> None:
         f"link set {TAP} up",
         f"link set {BRIDGE} up",
     ]) + "\n"
-    await run_cmd(["ip", "-n", ns, "-batch", "-"], input=batch.encode(), timeout=10, what="tap setup")
+    res = await run_cmd(["ip", "-n", ns, "-batch", "-"], input=batch.encode(), timeout=10, check=False,
+                        what="tap setup")
+    if res.returncode != 0:
+        # Already set up by an earlier server process (or a restore into the same slot): check it.
+        show = await run_cmd(["ip", "-n", ns, "-o", "link", "show", TAP], timeout=10, check=False, what="ip link")
+        if show.returncode != 0 or f"master {BRIDGE}" not in show.stdout:
+            raise FirecrackerError(f"cannot set up {TAP} in {ns}: {(res.stderr or res.stdout).strip()[-500:]}")
+    if len(_taps_ready) > 4096:
+        _taps_ready.clear()
+    _taps_ready.add(key)
 
 
 # ---------------------------------------------------------------------------------------- runtime
@@ -493,8 +509,7 @@ class FirecrackerRuntime:
         vm = self._fresh_vm(spec)
         try:
             disks, writable = self._place_disks(vm, spec.vm, None)
-            await setup_tap(spec.slot.netns_path if self.vm_defaults.net else None)
-            await vm.spawn()
+            await asyncio.gather(setup_tap(spec.slot.netns_path if self.vm_defaults.net else None), vm.spawn())
             await vm.configure(spec.vm, self._settings(spec), disks=disks, mmds=self._mmds(spec))
             await vm.start_instance()
             self._write_meta(vm, VmMeta(spec.sandbox_id, vm.pid or 0, spec.slot.netns_path, None, writable,
@@ -513,12 +528,14 @@ class FirecrackerRuntime:
             boot = spec.vm or VmBoot(kernel=Path("-"), disks=[
                 VmDisk(d["drive_id"], Path(d["source"]), d["read_only"], d["root"]) for d in cap["disks"]])
             _, writable = self._place_disks(vm, boot, image_dir)
-            await setup_tap(spec.slot.netns_path if cap.get("net", True) else None)
-            await vm.spawn()
+            await asyncio.gather(setup_tap(spec.slot.netns_path if cap.get("net", True) else None), vm.spawn())
             state, memory = self._stage_capture(vm, image_dir)
-            await vm.load(state, memory, track_dirty_pages=cap.get("track_dirty_pages", True))
-            if cap.get("net", True) and cap.get("mmds", True):
+            with_mmds = cap.get("net", True) and cap.get("mmds", True)
+            # The new identity is in MMDS before the guest runs a single instruction (fork children).
+            await vm.load(state, memory, track_dirty_pages=cap.get("track_dirty_pages", True), resume=not with_mmds)
+            if with_mmds:
                 await vm.set_mmds(self._mmds(spec))
+                await vm.resume()
             vm.free_page_reporting = bool(cap.get("free_page_reporting", False))
             self._write_meta(vm, VmMeta(spec.sandbox_id, vm.pid or 0, spec.slot.netns_path,
                                         str((image_dir / MEMORY_FILE).resolve()), writable,

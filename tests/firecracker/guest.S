@@ -45,7 +45,7 @@ banner: .asciz "agentenv-test-guest up\n"
     .balign 8
     .globl counter
 counter: .quad 0
-delay: .quad 200000
+delay: .quad 20000
 numbuf: .space 32
 numbuf_end: .byte 0
     .section .bss
