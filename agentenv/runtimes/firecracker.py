@@ -192,6 +192,10 @@ class FirecrackerVM:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.sock.unlink(missing_ok=True)
         (self.workdir / VMM_LOG).touch()
+        if self.jailer is not None and (self.jailer.uid or self.jailer.gid):
+            # The jailed VMM runs as uid:gid: it creates its socket and snapshot files in the work dir.
+            for p in (self.workdir, self.workdir / VMM_LOG):
+                os.chown(p, self.jailer.uid, self.jailer.gid)
         fc_args = ["--api-sock", API_SOCK, "--log-path", VMM_LOG, "--level", "Warning"]
         if self.jailer is None:
             argv = [str(self.binary), "--id", self.vm_id, *fc_args]
@@ -360,7 +364,7 @@ def _pid_is_vmm(pid: int, vm_id: str) -> bool:
 _taps_ready: set[tuple[str, int]] = set()   # (netns path, netns inode) known to have our tap
 
 
-async def setup_tap(netns_path: str | None) -> None:
+async def setup_tap(netns_path: str | None, owner: int | None = None) -> None:
     """tap0 in the slot netns, bridged with the guest-side veth end, so the guest owns GUEST_IP (idempotent).
 
     One `ip -batch` per new netns; a netns this process already set up (same path *and* inode: a
@@ -374,7 +378,7 @@ async def setup_tap(netns_path: str | None) -> None:
     ns = os.path.basename(netns_path)
     batch = "\n".join([
         f"link add {BRIDGE} type bridge",
-        f"tuntap add dev {TAP} mode tap",
+        f"tuntap add dev {TAP} mode tap" + (f" user {owner}" if owner else ""),
         f"link set {TAP} master {BRIDGE}",
         f"link set {GUEST_LINK} master {BRIDGE}",
         f"link set {TAP} up",
@@ -445,6 +449,9 @@ class FirecrackerRuntime:
             self._vms[sandbox_id] = vm
         return vm
 
+    def _uid(self) -> int | None:
+        return self.jailer.uid if self.jailer is not None and self.jailer.uid else None
+
     def _jailer(self) -> JailerConfig | None:
         if self.jailer is not None and self.jailer.chroot_base is None:
             self.jailer.chroot_base = self.root / "jail"
@@ -487,9 +494,22 @@ class FirecrackerRuntime:
             else:
                 src = source_dir / name if source_dir is not None else self._cached(d.path)
                 rl.clone(src, dst)
+                if self.jailer is not None and (self.jailer.uid or self.jailer.gid):
+                    os.chown(dst, self.jailer.uid, self.jailer.gid)
                 writable.append(name)
             disks.append(VmDisk(d.drive_id, Path(name), d.read_only, d.root))
         return disks, writable
+
+    def _stage_boot(self, vm: FirecrackerVM, boot: VmBoot) -> VmBoot:
+        """Kernel and initramfs as paths the VMM can open: hard-linked into the chroot when jailed."""
+        if vm.jail_dir is None:
+            return boot
+        staged = VmBoot(kernel=Path("vmlinux"), cmdline=boot.cmdline, disks=boot.disks)
+        os.link(self._cached(boot.kernel), vm.workdir / "vmlinux")
+        if boot.initrd is not None:
+            os.link(self._cached(boot.initrd), vm.workdir / "initrd")
+            staged.initrd = Path("initrd")
+        return staged
 
     @staticmethod
     def _mmds(spec: SandboxSpec) -> dict:
@@ -509,8 +529,10 @@ class FirecrackerRuntime:
         vm = self._fresh_vm(spec)
         try:
             disks, writable = self._place_disks(vm, spec.vm, None)
-            await asyncio.gather(setup_tap(spec.slot.netns_path if self.vm_defaults.net else None), vm.spawn())
-            await vm.configure(spec.vm, self._settings(spec), disks=disks, mmds=self._mmds(spec))
+            await asyncio.gather(setup_tap(spec.slot.netns_path if self.vm_defaults.net else None, self._uid()),
+                                 vm.spawn())
+            await vm.configure(self._stage_boot(vm, spec.vm), self._settings(spec), disks=disks,
+                               mmds=self._mmds(spec))
             await vm.start_instance()
             self._write_meta(vm, VmMeta(spec.sandbox_id, vm.pid or 0, spec.slot.netns_path, None, writable,
                                         _disk_records(spec.vm), vm.jail_dir is not None,
@@ -528,7 +550,8 @@ class FirecrackerRuntime:
             boot = spec.vm or VmBoot(kernel=Path("-"), disks=[
                 VmDisk(d["drive_id"], Path(d["source"]), d["read_only"], d["root"]) for d in cap["disks"]])
             _, writable = self._place_disks(vm, boot, image_dir)
-            await asyncio.gather(setup_tap(spec.slot.netns_path if cap.get("net", True) else None), vm.spawn())
+            await asyncio.gather(setup_tap(spec.slot.netns_path if cap.get("net", True) else None, self._uid()),
+                                 vm.spawn())
             state, memory = self._stage_capture(vm, image_dir)
             with_mmds = cap.get("net", True) and cap.get("mmds", True)
             # The new identity is in MMDS before the guest runs a single instruction (fork children).

@@ -20,7 +20,7 @@ from agentenv.config import Settings
 from agentenv.network.manager import NetworkManager
 from agentenv.network.slots import NetSlot
 from agentenv.runtimes.base import SandboxSpec, VmBoot, VmDisk
-from agentenv.runtimes.firecracker import FirecrackerRuntime, find_firecracker
+from agentenv.runtimes.firecracker import DEFAULT_FIRECRACKER_DIR, FirecrackerRuntime, JailerConfig, find_firecracker
 from agentenv.storage.reflink import ReflinkStore
 
 from . import testguest
@@ -121,13 +121,32 @@ class Kit:
             raise errors[0]
 
 
-@pytest.fixture
-async def kit(fc_data_dir: Path, guest: testguest.TestGuest, template_disks):
+async def _kit(fc_data_dir: Path, guest: testguest.TestGuest, template_disks, jailer: JailerConfig | None):
     settings = Settings(data_dir=fc_data_dir, slot_subnet=TEST_SUBNET)
     net = NetworkManager(settings)
     await net.setup_host()
-    k = Kit(settings, net, FirecrackerRuntime(fc_data_dir, store=ReflinkStore(fc_data_dir, size_gb=16)),
-            guest, template_disks)
+    return Kit(settings, net, FirecrackerRuntime(fc_data_dir, store=ReflinkStore(fc_data_dir, size_gb=16),
+                                                 jailer=jailer), guest, template_disks)
+
+
+@pytest.fixture
+async def kit(fc_data_dir: Path, guest: testguest.TestGuest, template_disks):
+    k = await _kit(fc_data_dir, guest, template_disks, None)
+    try:
+        yield k
+    finally:
+        await k.close()
+
+
+JAIL_UID = 64123   # an unprivileged uid/gid nobody on the host uses
+
+
+@pytest.fixture
+async def jailed_kit(fc_data_dir: Path, guest: testguest.TestGuest, template_disks):
+    jailer = DEFAULT_FIRECRACKER_DIR / "jailer"
+    if not os.access(jailer, os.X_OK):
+        pytest.skip("jailer not installed (bash scripts/install-firecracker.sh)")
+    k = await _kit(fc_data_dir, guest, template_disks, JailerConfig(jailer, uid=JAIL_UID, gid=JAIL_UID))
     try:
         yield k
     finally:

@@ -184,3 +184,35 @@ async def test_reflink_store_shares_blocks(kit):
     finally:
         a.unlink(missing_ok=True)
         b.unlink(missing_ok=True)
+
+
+async def test_jailed_vm_runs_unprivileged_in_its_chroot_and_restores(jailed_kit):
+    from .conftest import JAIL_UID
+
+    kit = jailed_kit
+    spec = await kit.spec()
+    sid = spec.sandbox_id
+    await kit.rt.start(spec)
+    await wait_counter(kit, sid, above=2)
+    pid = kit.rt.vm(sid).pid
+    status = Path(f"/proc/{pid}/status").read_text()
+    uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+    assert uid_line.split()[1:] == [str(JAIL_UID)] * 4, uid_line          # dropped privileges
+    # Its root is its work dir (pivot_root in a mount namespace of its own): nothing of the host.
+    root = Path(f"/proc/{pid}/root")
+    assert os.stat(root / "api.sock").st_ino == os.stat(kit.rt.workdir(sid) / "api.sock").st_ino
+    assert not (root / "etc").exists() and not (root / "usr").exists()
+    assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(spec.slot.netns_path).st_ino  # slot netns
+
+    cap = kit.rt.root / "captures" / f"{sid}-jail"
+    await kit.rt.checkpoint(sid, cap)
+    captured = kit.guest.counter_in(cap / MEMORY_FILE)
+    child = await kit.spec()
+    await kit.rt.restore(child, cap)
+    vals = await wait_counter(kit, child.sandbox_id, above=captured + 3)
+    assert_continues_from(vals, captured)
+    await kit.destroy(child.sandbox_id)
+    assert not kit.rt.workdir(child.sandbox_id).parent.exists()   # the jail is removed with the VM
+    for p in cap.iterdir():
+        p.unlink()
+    cap.rmdir()
