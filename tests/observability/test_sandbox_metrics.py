@@ -57,8 +57,8 @@ def test_get_metrics_shape_and_plausible_values(sbx):
 
 
 def test_values_rise_when_the_sandbox_burns_cpu_and_memory(sbx):
-    base = wait_for(lambda: sbx.get_metrics(), "a sample")[-1]
-    assert base.cpu_used_pct < 40, f"idle sandbox already busy: {base}"
+    # Right after a start (restore, envd warming up) and on a loaded host the first samples can be busy.
+    base = wait_for(lambda: (ms := sbx.get_metrics()) and ms[-1].cpu_used_pct < 40 and ms[-1], "an idle sample")
     proc = sbx.commands.run(BURN, background=True)
     try:
         def busy():
