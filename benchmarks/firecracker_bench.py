@@ -115,7 +115,7 @@ async def run(quick: bool, data_dir: Path, log=print) -> dict:
     binary = find_firecracker()
     if binary is None:
         return {"skipped": "firecracker not installed (scripts/install-firecracker.sh)"}
-    reps = 8 if quick else 20
+    reps = 8 if quick else 30
     settings = load_settings(data_dir=data_dir)
     net = NetworkManager(settings)
     await net.setup_host()
