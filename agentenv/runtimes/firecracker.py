@@ -457,16 +457,22 @@ class FirecrackerRuntime:
             self.jailer.chroot_base = self.root / "jail"
         return self.jailer
 
+    def _meta_path(self, vm: FirecrackerVM) -> Path:
+        # Outside the work dir: a jailed (possibly compromised) VMM owns its work dir, never our records.
+        return self.root / "meta" / f"{vm.vm_id}.json"
+
     def _read_meta(self, vm: FirecrackerVM) -> VmMeta | None:
         try:
-            return VmMeta(**json.loads((vm.workdir / META).read_text()))
+            return VmMeta(**json.loads(self._meta_path(vm).read_text()))
         except (OSError, ValueError, TypeError):
             return None
 
     def _write_meta(self, vm: FirecrackerVM, meta: VmMeta) -> None:
-        tmp = vm.workdir / (META + ".tmp")
+        path = self._meta_path(vm)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(meta)))
-        os.replace(tmp, vm.workdir / META)
+        os.replace(tmp, path)
 
     def _cached(self, path: Path) -> Path:
         """`path` itself when it is on the store's filesystem, else a copy in the store (made once)."""
@@ -609,6 +615,8 @@ class FirecrackerRuntime:
             mem_name = "memory.diff" if diff else MEMORY_FILE
             await vm.snapshot(diff=diff, memory=mem_name)
             t1 = time.monotonic()
+            for name in (STATE_FILE, mem_name, *meta.writable):
+                _regular_file(vm.workdir / name)   # never follow a link a (jailed) VMM may have planted
             self._export(vm.workdir / STATE_FILE, image_dir / STATE_FILE)
             if diff:
                 applied = rl.apply_diff(base, vm.workdir / mem_name, image_dir / MEMORY_FILE)
@@ -618,6 +626,11 @@ class FirecrackerRuntime:
                 self._export(vm.workdir / mem_name, image_dir / MEMORY_FILE)
                 log.info("%s: full snapshot %.1f ms", sandbox_id, (t1 - t0) * 1e3)
             (vm.workdir / mem_name).unlink(missing_ok=True)
+            for name in (STATE_FILE, MEMORY_FILE):
+                # Read-only and ours: restores (maybe jailed under the same uid) map these, never write them.
+                if os.geteuid() == 0:
+                    os.chown(image_dir / name, 0, 0)
+                os.chmod(image_dir / name, 0o444)
             for name in meta.writable:
                 rl.clone(vm.workdir / name, image_dir / name)
             cap = {"format": 1, "vmm": "firecracker", "version": FIRECRACKER_VERSION, "disks": meta.disks,
@@ -639,6 +652,7 @@ class FirecrackerRuntime:
         vm = self._vms.pop(sandbox_id, None) or self._vm(sandbox_id)
         self._vms.pop(sandbox_id, None)
         await vm.kill()
+        self._meta_path(vm).unlink(missing_ok=True)
         if vm.jail_dir is not None:
             shutil.rmtree(vm.jail_dir, ignore_errors=True)
             await _remove_jail_cgroups(vm.binary.name, sandbox_id)
@@ -660,6 +674,9 @@ class FirecrackerRuntime:
         jail = self.root / "jail" / self.binary.name
         if jail.is_dir():
             ids += [p.name for p in jail.iterdir()]
+        metas = self.root / "meta"
+        if metas.is_dir():
+            ids += [p.stem for p in metas.glob("*.json")]
         return sorted(set(ids))
 
     async def console(self, sandbox_id: str) -> str:
@@ -678,6 +695,14 @@ class FirecrackerRuntime:
         for vm in list(self._vms.values()):
             if vm.api is not None:
                 await vm.api.close()
+
+
+def _regular_file(path: Path) -> None:
+    import stat
+
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise FirecrackerError(f"{path} is not a regular file: refusing to export it")
 
 
 def _disk_records(boot: VmBoot) -> list[dict]:

@@ -207,6 +207,8 @@ async def test_jailed_vm_runs_unprivileged_in_its_chroot_and_restores(jailed_kit
     cap = kit.rt.root / "captures" / f"{sid}-jail"
     await kit.rt.checkpoint(sid, cap)
     captured = kit.guest.counter_in(cap / MEMORY_FILE)
+    st = (cap / MEMORY_FILE).stat()   # restores map it; none of them (same uid) may write it
+    assert st.st_uid == 0 and st.st_mode & 0o222 == 0
     child = await kit.spec()
     await kit.rt.restore(child, cap)
     vals = await wait_counter(kit, child.sandbox_id, above=captured + 3)
