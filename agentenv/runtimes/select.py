@@ -283,16 +283,19 @@ _cache: dict[tuple, tuple[float, list[Probe]]] = {}
 _CACHE_S = 300.0
 
 
-async def probe_all(settings: Settings, virt: HostVirt | None = None, *, fresh: bool = False) -> list[Probe]:
-    """Every registered runtime's probe (cached for a few minutes: probes boot VMs)."""
+async def probe_all(settings: Settings, virt: HostVirt | None = None, *, fresh: bool = False,
+                    only: str | None = None) -> list[Probe]:
+    """Every registered runtime's probe, or just `only`'s (cached for a few minutes: probes boot VMs)."""
     _load_providers()
     virt = virt or detect_virt()
-    key = (settings.runsc_path, settings.firecracker_path, virt)
+    key = (settings.runsc_path, settings.firecracker_path, virt, only)
     hit = _cache.get(key)
     if hit and not fresh and time.monotonic() - hit[0] < _CACHE_S:
         return hit[1]
     probes = []
     for e in _REGISTRY.values():
+        if only is not None and e.name != only:
+            continue
         try:
             probes.append(await e.probe(settings, virt))
         except Exception as ex:  # noqa: BLE001 - a broken probe makes its runtime unavailable, not the server
@@ -315,7 +318,8 @@ async def choose(settings: Settings, requested: str | None = None, *, virt: Host
     """The runtime for `requested` (None: the configured default). Never downgrades an explicit choice."""
     virt = virt or detect_virt()
     want = normalise(requested) or normalise(settings.runtime) or "auto"
-    probes = probes if probes is not None else await probe_all(settings, virt)
+    if probes is None:   # an explicit choice needs only its own verdict (no probe boots for the others)
+        probes = await probe_all(settings, virt, only=None if want == "auto" else want)
     by_name = {p.runtime: p for p in probes}
     if want != "auto":
         p = by_name.get(want)
