@@ -218,3 +218,15 @@ async def test_jailed_vm_runs_unprivileged_in_its_chroot_and_restores(jailed_kit
     for p in cap.iterdir():
         p.unlink()
     cap.rmdir()
+
+
+async def test_boot_probe_proves_the_vmm_boots_a_guest(fc_data_dir):
+    from agentenv.runtimes.firecracker import find_firecracker
+    from agentenv.runtimes.select import firecracker_boot_probe
+
+    proof = await firecracker_boot_probe(find_firecracker())
+    assert proof.ok, proof.detail
+    assert 0 < proof.seconds < 5
+    # A VMM that cannot boot is reported as such (here: a "binary" that is no VMM at all).
+    bad = await firecracker_boot_probe(Path("/bin/false"), timeout=2)
+    assert not bad.ok
