@@ -329,16 +329,25 @@ class FirecrackerVM:
             await self.api.close()
         if self.pid is None:
             return
+        if self.proc is not None:   # our child: its Process knows whether it is still there
+            if self.proc.returncode is None:
+                try:
+                    self.proc.kill()
+                except ProcessLookupError:
+                    pass
+            await self.proc.wait()
+            return
+        # Adopted after a restart: not our child (init reaps it). Only signal the pid while it is
+        # still this VM's VMM — a pid can be reused once the VMM is gone.
+        if not _pid_is_vmm(self.pid, self.vm_id):
+            return
         try:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
-        if self.proc is not None:
-            await self.proc.wait()
-        else:   # adopted after a restart: not our child, init reaps it
-            deadline = time.monotonic() + 10
-            while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
+            return
+        deadline = time.monotonic() + 10
+        while _pid_is_vmm(self.pid, self.vm_id) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
     def _api(self) -> FirecrackerApi:
         if self.api is None:

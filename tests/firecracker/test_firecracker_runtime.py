@@ -230,3 +230,31 @@ async def test_boot_probe_proves_the_vmm_boots_a_guest(fc_data_dir):
     # A VMM that cannot boot is reported as such (here: a "binary" that is no VMM at all).
     bad = await firecracker_boot_probe(Path("/bin/false"), timeout=2)
     assert not bad.ok
+
+
+async def test_a_restarted_server_re_adopts_running_vms(kit):
+    """A second runtime object on the same data dir (a restarted server) finds, drives and stops the VM."""
+    from agentenv.runtimes.firecracker import FirecrackerRuntime
+    from agentenv.storage.reflink import ReflinkStore
+
+    spec = await kit.spec()
+    sid = spec.sandbox_id
+    await kit.rt.start(spec)
+    await wait_counter(kit, sid, above=1)
+    later = FirecrackerRuntime(kit.settings.data_dir, store=ReflinkStore(kit.settings.data_dir, size_gb=16))
+    try:
+        assert sid in await later.list_ids()
+        assert await later.is_alive(sid)
+        await later.pause(sid)
+        await asyncio.sleep(0.1)
+        frozen = counters(await later.console(sid))[-1]
+        await asyncio.sleep(0.4)
+        assert counters(await later.console(sid))[-1] == frozen
+        await later.resume(sid)
+        await wait_counter(kit, sid, above=frozen)
+        pid = later.vm(sid).pid
+        await later.stop(sid)
+        assert not os.path.exists(f"/proc/{pid}/cmdline") or not await later.is_alive(sid)
+        assert sid not in await later.list_ids()
+    finally:
+        await later.close()
