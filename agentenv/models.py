@@ -127,6 +127,75 @@ class TemplateRecord:
     image: str  # name of the image in the image store, e.g. "base"
     public: bool = True
     created_at: datetime = field(default_factory=utcnow)
+    # None: built in (every team sees it); else the team that built it through the template API.
+    team_id: str | None = None
+
+
+class BuildStatus(str, enum.Enum):
+    WAITING = "waiting"
+    BUILDING = "building"
+    READY = "ready"
+    ERROR = "error"
+
+
+@dataclass
+class TemplateBuildRecord:
+    """One build of a template: the request, its logs, and what it produced.
+
+    A ready build is a committed snapshot: read-only layers on top of `image` plus a memory image
+    of a booted sandbox whose start command is already running, so a create is a restore.
+    """
+
+    build_id: str
+    template_id: str
+    team_id: str
+    status: BuildStatus
+    cpu_count: int
+    memory_mb: int
+    disk_mb: int
+    created_at: datetime = field(default_factory=utcnow)
+    updated_at: datetime = field(default_factory=utcnow)
+    finished_at: datetime | None = None
+    spec: dict = field(default_factory=dict)  # the build request body (steps, fromImage, startCmd, ...)
+    image: str = "base"
+    layers: list[str] = field(default_factory=list)
+    memory_digest: str | None = None
+    restore_token: str | None = None
+    env_vars: dict[str, str] = field(default_factory=dict)
+    logs: list[dict] = field(default_factory=list)  # {timestamp, level, message, step?}
+    reason: dict | None = None  # {message, step?} when status is error
+
+    def data(self) -> dict:
+        return {
+            "cpuCount": self.cpu_count, "memoryMB": self.memory_mb, "diskMB": self.disk_mb,
+            "updatedAt": rfc3339(self.updated_at),
+            "finishedAt": rfc3339(self.finished_at) if self.finished_at else None,
+            "spec": self.spec, "image": self.image, "layers": self.layers, "memory": self.memory_digest,
+            "restoreToken": self.restore_token, "envVars": self.env_vars, "logs": self.logs,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_data(cls, build_id: str, template_id: str, team_id: str, status: str, created_at: datetime,
+                  d: dict) -> "TemplateBuildRecord":
+        def ts(v: str | None) -> datetime | None:
+            return datetime.fromisoformat(v.replace("Z", "+00:00")) if v else None
+
+        return cls(build_id=build_id, template_id=template_id, team_id=team_id, status=BuildStatus(status),
+                   cpu_count=int(d.get("cpuCount", 2)), memory_mb=int(d.get("memoryMB", 1024)),
+                   disk_mb=int(d.get("diskMB", 4096)), created_at=created_at,
+                   updated_at=ts(d.get("updatedAt")) or created_at, finished_at=ts(d.get("finishedAt")),
+                   spec=dict(d.get("spec") or {}), image=d.get("image", "base"), layers=list(d.get("layers", [])),
+                   memory_digest=d.get("memory"), restore_token=d.get("restoreToken"),
+                   env_vars=dict(d.get("envVars") or {}), logs=list(d.get("logs") or []), reason=d.get("reason"))
+
+
+@dataclass
+class TemplateTag:
+    template_id: str
+    tag: str
+    build_id: str
+    created_at: datetime = field(default_factory=utcnow)
 
 
 @dataclass

@@ -11,14 +11,16 @@ import asyncio
 import base64
 import binascii
 import functools
+import hmac
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
-from urllib.parse import unquote
+from urllib.parse import unquote, urlencode
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import AbstractRoute
@@ -30,6 +32,7 @@ from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord
 from agentenv.observability.logs import REQUEST_ID
+from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord, rfc3339
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,8 @@ class Orchestrator(Protocol):
                              name: str | None = None) -> list[SnapshotRecord]: ...
     async def get_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> SnapshotRecord: ...
     async def delete_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> None: ...
-    async def list_templates(self) -> list[TemplateRecord]: ...
+    async def list_templates(self, team_id: str | None = None) -> list[TemplateRecord]: ...
+    templates: Any  # agentenv.orchestrator.templates.TemplateService: builds, tags, names
 
 
 @dataclass
@@ -227,7 +231,95 @@ class _Handlers:
         return web.Response(text=openapi_text(), content_type="application/yaml")
 
     async def list_templates(self, request: web.Request) -> web.Response:
-        return web.json_response([schemas.template_json(t) for t in await self.orch.list_templates()])
+        if not hasattr(self.orch, "templates"):
+            return web.json_response([schemas.template_json(t) for t in await self.orch.list_templates()])
+        items = await self.orch.templates.list_templates(request[_TEAM])
+        return web.json_response([{k: v for k, v in schemas.template_with_builds_json(t, b).items() if k != "builds"}
+                                  for t, b in items])
+
+    # --- template builds (E2B's template API; see orchestrator/templates.py) ---------------------
+
+    async def request_template_build(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.TemplateBuildRequestV3, required=True)
+        name = body.name or body.alias
+        if not name:
+            raise BadRequest("name is required")
+        tmpl, build, tags = await self.orch.templates.request_build(
+            team_id=request[_TEAM], name=name, tags=body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb)
+        return web.json_response({"templateID": tmpl.template_id, "buildID": build.build_id, "public": tmpl.public,
+                                  "names": list(tmpl.aliases), "tags": tags, "aliases": list(tmpl.aliases)},
+                                 status=202)
+
+    def _files_signature(self, team: str, files_hash: str, expires: int) -> str:
+        return self.orch.templates.sign(f"{team}:{files_hash}:{expires}")
+
+    async def template_files(self, request: web.Request) -> web.Response:
+        team = request[_TEAM]
+        files_hash = request.match_info["hash"]
+        if await self.orch.templates.files_present(request.match_info["templateID"], files_hash, team):
+            return web.json_response({"present": True}, status=201)
+        expires = int(time.time()) + 3600
+        query = urlencode({"team": team, "expires": expires,
+                           "signature": self._files_signature(team, files_hash, expires)})
+        url = f"{request.scheme}://{request.host}/template-files/{files_hash}?{query}"
+        return web.json_response({"present": False, "url": url}, status=201)
+
+    async def upload_template_files(self, request: web.Request) -> web.Response:
+        q = request.query
+        files_hash = request.match_info["hash"]
+        try:
+            team, expires, sig = q["team"], int(q["expires"]), q["signature"]
+        except (KeyError, ValueError):
+            raise BadRequest("team, expires and signature are required") from None
+        if expires < time.time() or not hmac.compare_digest(sig, self._files_signature(team, files_hash, expires)):
+            raise Forbidden("invalid or expired upload signature")
+        await self.orch.templates.store_files(team, files_hash, request.content.iter_chunked(1 << 20))
+        return web.Response(status=200)
+
+    async def start_template_build(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.TemplateBuildStartV2, required=True)
+        await self.orch.templates.start_build(request.match_info["templateID"], request.match_info["buildID"],
+                                              request[_TEAM], body.spec())
+        return web.Response(status=202)
+
+    async def template_build_status(self, request: web.Request) -> web.Response:
+        q = request.query
+        try:
+            offset = int(q.get("logsOffset", 0))
+            limit = int(q.get("limit", 100))
+        except ValueError:
+            raise BadRequest("logsOffset and limit must be integers") from None
+        if offset < 0 or not 0 <= limit <= 100:
+            raise BadRequest("logsOffset must be >= 0 and limit 0-100")
+        level = q.get("level") or None
+        if level not in (None, "debug", "info", "warn", "error"):
+            raise BadRequest(f"invalid level {level!r}")
+        build = await self.orch.templates.build_status(request.match_info["templateID"],
+                                                       request.match_info["buildID"], request[_TEAM])
+        return web.json_response(schemas.build_status_json(build, offset, limit, level))
+
+    async def get_template(self, request: web.Request) -> web.Response:
+        tmpl, builds = await self.orch.templates.get_template(request.match_info["templateID"], request[_TEAM])
+        return web.json_response(schemas.template_with_builds_json(tmpl, builds))
+
+    async def template_alias(self, request: web.Request) -> web.Response:
+        tmpl = await self.orch.templates.alias_info(request.match_info["alias"], request[_TEAM])
+        return web.json_response({"templateID": tmpl.template_id, "public": tmpl.public})
+
+    async def assign_tags(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.AssignTemplateTagsRequest, required=True)
+        build_id, tags = await self.orch.templates.assign_tags(body.target, body.tags, request[_TEAM])
+        return web.json_response({"tags": tags, "buildID": build_id}, status=201)
+
+    async def delete_tags(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.DeleteTemplateTagsRequest, required=True)
+        await self.orch.templates.remove_tags(body.name, body.tags, request[_TEAM])
+        return web.Response(status=204)
+
+    async def list_tags(self, request: web.Request) -> web.Response:
+        tags = await self.orch.templates.list_tags(request.match_info["templateID"], request[_TEAM])
+        return web.json_response([{"tag": t.tag, "buildID": t.build_id, "createdAt": rfc3339(t.created_at)}
+                                  for t in tags])
 
     async def _create(self, request: web.Request, body: schemas.NewSandboxV2, *, timeout: int,
                       secure: bool) -> web.Response:
@@ -398,6 +490,8 @@ class _Handlers:
     async def delete_template(self, request: web.Request) -> web.Response:
         """What the SDK's `Sandbox.delete_snapshot(id)` calls: snapshots are the only deletable templates."""
         template_id = request.match_info["templateID"]
+        if hasattr(self.orch, "templates") and await self.orch.templates.delete_template(template_id, request[_TEAM]):
+            return web.Response(status=204)
         for t in await self.orch.list_templates():
             if template_id == t.template_id or template_id in t.aliases:
                 raise Forbidden(f"Template {template_id!r} is built in and cannot be deleted")
@@ -505,11 +599,22 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     # quotes them with safe="") stay one segment and arrive decoded in match_info.
     add("GET", "/snapshots/{snapshotID}", h.get_snapshot)
     add("DELETE", "/snapshots/{snapshotID}", h.delete_snapshot)
+    # Literal /templates/tags before /templates/{templateID}: aiohttp matches in registration order.
+    add("POST", "/templates/tags", h.assign_tags)
+    add("DELETE", "/templates/tags", h.delete_tags)
     add("DELETE", "/templates/{templateID}", h.delete_template)
     add("GET", "/teams", h.list_teams)
     add("GET", "/api-keys", h.list_api_keys)
     add("POST", "/api-keys", h.create_api_key)
     add("DELETE", "/api-keys/{apiKeyID}", h.delete_api_key)
+    add("GET", "/templates/{templateID}", h.get_template)
+    add("POST", "/v3/templates", h.request_template_build)
+    add("GET", "/templates/{templateID}/files/{hash}", h.template_files)
+    add("PUT", "/template-files/{hash}", h.upload_template_files, public=True)
+    add("POST", "/v2/templates/{templateID}/builds/{buildID}", h.start_template_build)
+    add("GET", "/templates/{templateID}/builds/{buildID}/status", h.template_build_status)
+    add("GET", "/templates/aliases/{alias}", h.template_alias)
+    add("GET", "/templates/{templateID}/tags", h.list_tags)
 
     app[API_CONTEXT] = ctx
     app.middlewares.append(_make_middleware(ctx))

@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentenv.config import Settings
 from agentenv.constants import CLIENT_ID, ENVD_VERSION
 from agentenv.errors import AgentEnvError
-from agentenv.models import ApiKeyRecord, SandboxRecord, SnapshotRecord, TeamRecord, TemplateRecord, rfc3339
+from agentenv.models import (ApiKeyRecord, BuildStatus, SandboxRecord, SnapshotRecord, TeamRecord,
+                             TemplateBuildRecord, TemplateRecord, rfc3339)
 
 
 class _Body(BaseModel):
@@ -117,6 +118,63 @@ class SandboxSnapshotRequest(_Body):
     memory: bool = True  # false: filesystem-only snapshot
 
 
+class TemplateBuildRequestV3(_Body):
+    name: str | None = Field(default=None, min_length=1, max_length=256)
+    alias: str | None = Field(default=None, min_length=1, max_length=256)
+    tags: list[str] | None = None
+    cpu_count: int | None = Field(default=None, alias="cpuCount")
+    memory_mb: int | None = Field(default=None, alias="memoryMB")
+    min_free_disk_mb: int | None = Field(default=None, alias="minFreeDiskMb")
+
+
+class TemplateStep(_Body):
+    type: str = Field(min_length=1)
+    args: list[str] | None = None
+    files_hash: str | None = Field(default=None, alias="filesHash")
+    force: bool | None = None
+    force_upload: bool | None = Field(default=None, alias="forceUpload")
+
+
+class RegistryConfig(_Body):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=False)
+    type: str | None = None
+    username: str | None = None
+    password: str | None = None
+
+
+class TemplateBuildStartV2(_Body):
+    from_image: str | None = Field(default=None, alias="fromImage")
+    from_template: str | None = Field(default=None, alias="fromTemplate")
+    from_image_registry: RegistryConfig | None = Field(default=None, alias="fromImageRegistry")
+    force: bool | None = None
+    steps: list[TemplateStep] | None = None
+    start_cmd: str | None = Field(default=None, alias="startCmd")
+    ready_cmd: str | None = Field(default=None, alias="readyCmd")
+
+    def spec(self) -> dict[str, Any]:
+        """The build request as the builder consumes it (E2B's field names)."""
+        out: dict[str, Any] = {"force": bool(self.force), "steps": [
+            {"type": st.type.upper(), "args": list(st.args or []), "filesHash": st.files_hash, "force": bool(st.force)}
+            for st in (self.steps or [])]}
+        for key, val in (("fromImage", self.from_image), ("fromTemplate", self.from_template),
+                         ("startCmd", self.start_cmd), ("readyCmd", self.ready_cmd)):
+            if val:
+                out[key] = val
+        if self.from_image_registry is not None:
+            out["fromImageRegistry"] = self.from_image_registry.model_dump(exclude_none=True)
+        return out
+
+
+class AssignTemplateTagsRequest(_Body):
+    target: str = Field(min_length=1)
+    tags: list[str] = Field(min_length=1)
+
+
+class DeleteTemplateTagsRequest(_Body):
+    name: str = Field(min_length=1)
+    tags: list[str] = Field(min_length=1)
+
+
 # --- responses ------------------------------------------------------------------------------------
 
 
@@ -196,6 +254,41 @@ def template_json(rec: TemplateRecord) -> dict[str, Any]:
         "envdVersion": ENVD_VERSION,
         "buildStatus": "ready",
     }
+
+
+def template_with_builds_json(rec: TemplateRecord, builds: list[TemplateBuildRecord]) -> dict[str, Any]:
+    """`Template` (+ `builds` for GET /templates/{id}) of a template with or without API builds."""
+    out = template_json(rec)
+    if builds:
+        latest = builds[-1]
+        ready = [b for b in builds if b.status == BuildStatus.READY]
+        out.update(buildID=(ready[-1] if ready else latest).build_id, buildCount=len(builds),
+                   buildStatus=latest.status.value, updatedAt=rfc3339(latest.updated_at),
+                   cpuCount=latest.cpu_count, memoryMB=latest.memory_mb)
+    out["builds"] = [template_build_json(b) for b in builds]
+    return out
+
+
+def template_build_json(b: TemplateBuildRecord) -> dict[str, Any]:
+    out = {"buildID": b.build_id, "status": b.status.value, "createdAt": rfc3339(b.created_at),
+           "updatedAt": rfc3339(b.updated_at), "cpuCount": b.cpu_count, "memoryMB": b.memory_mb,
+           "diskSizeMB": b.disk_mb, "envdVersion": ENVD_VERSION}
+    if b.finished_at:
+        out["finishedAt"] = rfc3339(b.finished_at)
+    return out
+
+
+def build_status_json(b: TemplateBuildRecord, offset: int, limit: int, level: str | None) -> dict[str, Any]:
+    order = ["debug", "info", "warn", "error"]
+    entries = b.logs
+    if level:
+        entries = [e for e in entries if order.index(e.get("level", "info")) >= order.index(level)]
+    page = entries[offset:offset + limit]
+    out: dict[str, Any] = {"templateID": b.template_id, "buildID": b.build_id, "status": b.status.value,
+                           "logs": [f"[{e['timestamp']}] {e['message']}" for e in page], "logEntries": page}
+    if b.reason:
+        out["reason"] = {**b.reason, "logEntries": [e for e in b.logs if e.get("level") == "error"][-20:]}
+    return out
 
 
 def snapshot_info_json(rec: SnapshotRecord) -> dict[str, Any]:

@@ -352,8 +352,11 @@ class NetworkManager:
             await ns.addr("add", index=eth0, address=constants.GUEST_IP, prefixlen=p)
             await ns.addr("add", index=gw0, address=constants.GUEST_GATEWAY_IP, prefixlen=p)
             await ns.addr("add", index=host0, address=slot.host_ip, prefixlen=30)
-            # Only eth0 is up: runsc takes over every UP interface and copies its routes to the guest.
+            # Only eth0 and lo are up: runsc takes over every UP interface and copies its routes to the
+            # guest. A down lo would leave the guest without 127.0.0.1 (runsc skips down links).
             await ns.link("set", index=eth0, state="up")
+            (lo,) = await ns.link_lookup(ifname="lo")
+            await ns.link("set", index=lo, state="up")
             await ns.route("add", dst="0.0.0.0/0", gateway=constants.GUEST_GATEWAY_IP, oif=eth0)
         await run_cmd(["nsenter", f"--net={slot.netns_path}", "sh", "-c", _NETNS_SETUP_SH],
                       input=_netns_ruleset(slot.host_ip).encode(), timeout=CMD_TIMEOUT, what="netns setup")

@@ -7,12 +7,18 @@ endpoint is left inside the sandbox, which would make a gVisor checkpoint fail.
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import struct
 import time
+from pathlib import Path
 
 import aiohttp
 
 from agentenv.constants import ENVD_PORT
 from agentenv.errors import RuntimeFailure
+
+_ENVELOPE = struct.Struct(">BI")  # Connect streaming: flags, big-endian length
 
 
 async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) -> float:
@@ -71,3 +77,83 @@ async def blocking_connections(host_ip: str, *, host_token: str, timeout: float 
             if resp.status != 200:
                 raise RuntimeFailure(f"envd connection check failed: HTTP {resp.status}")
             return list((await resp.json()).get("connections", []))
+
+
+def _envd_headers(access_token: str | None, user: str) -> dict[str, str]:
+    headers = {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+    if access_token:
+        headers["X-Access-Token"] = access_token
+    return headers
+
+
+async def run_process(host_ip: str, *, access_token: str | None, cmd: str, user: str, cwd: str | None = None,
+                      envs: dict[str, str] | None = None, shell: str = "/bin/sh", background: bool = False,
+                      on_output=None, timeout: float | None = None) -> int | None:
+    """Run `cmd` through `shell -c` inside the sandbox over envd's process.Start stream.
+
+    Returns the exit code; with `background` returns None as soon as the process started (the
+    host closes the stream, which never kills the process). `on_output(stream, text)` receives
+    stdout/stderr as it arrives.
+    """
+    process: dict = {"cmd": shell, "args": ["-c", cmd], "envs": dict(envs or {})}
+    if cwd:
+        process["cwd"] = cwd
+    payload = json.dumps({"process": process, "stdin": False}).encode()
+    body = _ENVELOPE.pack(0, len(payload)) + payload
+    headers = {"Content-Type": "application/connect+json", "Connect-Protocol-Version": "1",
+               **_envd_headers(access_token, user)}
+    client_timeout = aiohttp.ClientTimeout(total=None if timeout is None else timeout + 10, sock_connect=10)
+    async with aiohttp.ClientSession(timeout=client_timeout) as http:
+        async with http.post(f"http://{host_ip}:{ENVD_PORT}/process.Process/Start", data=body,
+                             headers=headers) as resp:
+            if resp.status != 200:
+                raise RuntimeFailure(f"envd process start failed: HTTP {resp.status}: {(await resp.text())[:300]}")
+            buf = b""
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise asyncio.TimeoutError(f"command did not finish within {timeout:.0f}s")
+                chunk = await resp.content.readany()
+                if not chunk:
+                    raise RuntimeFailure("envd closed the process stream before the process ended")
+                buf += chunk
+                while len(buf) >= 5:
+                    flags, length = _ENVELOPE.unpack(buf[:5])
+                    if len(buf) < 5 + length:
+                        break
+                    msg = json.loads(buf[5:5 + length] or b"{}")
+                    buf = buf[5 + length:]
+                    if flags & 0x02:  # end of stream: an error, or a clean end after "end"
+                        err = msg.get("error") if isinstance(msg, dict) else None
+                        if err:
+                            raise RuntimeFailure(f"envd: {err.get('code')}: {err.get('message')}")
+                        raise RuntimeFailure("envd ended the process stream without an exit status")
+                    event = (msg.get("event") or {}) if isinstance(msg, dict) else {}
+                    if "start" in event and background:
+                        return None
+                    if "data" in event and on_output is not None:
+                        for stream in ("stdout", "stderr", "pty"):
+                            if stream in event["data"]:
+                                on_output(stream, base64.b64decode(event["data"][stream]).decode(errors="replace"))
+                    if "end" in event:
+                        end = event["end"]
+                        if not end.get("exited", True) and on_output is not None:
+                            on_output("stderr", f"process ended: {end.get('error') or end.get('status')}\n")
+                        return int(end.get("exitCode", 0))
+
+
+async def upload_file(host_ip: str, *, access_token: str | None, path: str, src: Path, user: str = "root",
+                      timeout: float = 600.0) -> None:
+    """POST a host file to `path` inside the sandbox (envd /files, raw body, streamed)."""
+    headers = {"Content-Type": "application/octet-stream", **_envd_headers(access_token, user)}
+
+    async def chunks():
+        with open(src, "rb") as f:
+            while data := f.read(1 << 20):
+                yield data
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        async with http.post(f"http://{host_ip}:{ENVD_PORT}/files", params={"path": path, "username": user},
+                             data=chunks(), headers=headers) as resp:
+            if resp.status >= 300:
+                raise RuntimeFailure(f"upload to the sandbox failed: HTTP {resp.status}: {(await resp.text())[:300]}")

@@ -32,7 +32,8 @@ from agentenv.config import Settings
 from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
 from agentenv.errors import (AgentEnvError, BadRequest, Conflict, NotFound, RuntimeFailure, TooManyRequests, Unavailable,
                              sandbox_not_found)
-from agentenv.models import SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, utcnow
+from agentenv.models import (SandboxRecord, SandboxState, SnapshotRecord, TemplateBuildRecord, TemplateRecord,
+                             utcnow)
 from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.lifecycle import Lifecycle, check
@@ -99,6 +100,9 @@ class Orchestrator:
         self._warm_building: dict[str, asyncio.Task] = {}
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list = []
+        from agentenv.orchestrator.templates import TemplateService
+
+        self.templates = TemplateService(self)
 
     def _load_host_token(self) -> str:
         """A per-data-dir secret envd accepts for re-/init; kept on disk so restores after a restart work."""
@@ -125,10 +129,12 @@ class Orchestrator:
         if self.settings.warm_start:
             tools = await self.images.ensure_tools()
             for tmpl in await self.store.list_templates():
-                if self._warm_meta(tmpl, self._warm_key(tmpl, tools)) is None:
+                if tmpl.team_id is None and not await self.store.list_tags(tmpl.template_id) and \
+                        self._warm_meta(tmpl, self._warm_key(tmpl, tools)) is None:
                     self._build_warm_soon(tmpl)
 
     async def stop(self, *, kill_running: bool = True) -> None:
+        await self.templates.stop()
         for task in list(self._warm_building.values()):
             task.cancel()
         await asyncio.gather(*self._warm_building.values(), return_exceptions=True)
@@ -206,6 +212,9 @@ class Orchestrator:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
         layers, memory = self.warm_artifacts()
         memory |= set(self._pinned_memory)
+        t_layers, t_memory = await self.templates.artifacts_in_use()
+        layers |= t_layers
+        memory |= t_memory
         # The live records too: a capture puts its new layer in the record before the store has it.
         for rec in list(self._records.values()) + await self.store.list_sandboxes():
             layers.update(rec.layers)
@@ -232,8 +241,8 @@ class Orchestrator:
                    SandboxState.SNAPSHOTTING, SandboxState.FORKING)
         return [r for r in self._records.values() if r.team_id == team_id and r.state in visible]
 
-    async def list_templates(self) -> list[TemplateRecord]:
-        return await self.store.list_templates()
+    async def list_templates(self, team_id: str | None = None) -> list[TemplateRecord]:
+        return [t for t in await self.store.list_templates() if t.team_id is None or t.team_id == team_id]
 
     # ------------------------------------------------------------------ create
 
@@ -283,22 +292,24 @@ class Orchestrator:
                              network: dict | None = None) -> SandboxRecord:
         self._check_timeout(timeout)
         await runtime_select.check_request(self.settings, metadata.get(runtime_select.METADATA_KEY), self.runtime.name)
-        tmpl = await self.store.get_template(template)
+        found = await self.templates.resolve_for_create(template, team_id)
+        tmpl, build = found if found is not None else (None, None)
         snap = None if tmpl is not None else await self._find_snapshot(template, team_id)
         if tmpl is None and snap is None:
             raise NotFound(f"template '{template}' not found")
         async with self._admission(team_id):
-            return await self._create(team_id=team_id, template=template, tmpl=tmpl, snap=snap, timeout=timeout,
+            return await self._create(team_id=team_id, template=template, tmpl=tmpl, build=build, snap=snap,
+                                      timeout=timeout,
                                       metadata=metadata, env_vars=env_vars, auto_pause=auto_pause,
                                       auto_resume=auto_resume, allow_internet_access=allow_internet_access,
                                       network=network)
 
     async def _create(self, *, team_id: str, template: str, tmpl: TemplateRecord | None,
-                      snap: SnapshotRecord | None, timeout: int, metadata: dict[str, str],
+                      build: TemplateBuildRecord | None, snap: SnapshotRecord | None, timeout: int, metadata: dict[str, str],
                       env_vars: dict[str, str], auto_pause: bool, auto_resume: bool,
                       allow_internet_access: bool | None, network: dict | None) -> SandboxRecord:
         now = utcnow()
-        src = snap if snap is not None else tmpl
+        src = snap if snap is not None else build if build is not None else tmpl
         rec = SandboxRecord(
             sandbox_id=new_sandbox_id(), template_id=template if snap else tmpl.template_id, team_id=team_id,
             state=SandboxState.CREATING, started_at=now, end_at=now + timedelta(seconds=timeout),
@@ -310,7 +321,8 @@ class Orchestrator:
             allow_internet_access=(self.settings.allow_internet_access if allow_internet_access is None
                                    else allow_internet_access),
             network=network, runtime=self.runtime.name,
-            image=(snap.image if snap else tmpl.image), layers=list(snap.layers) if snap else [],
+            image=(snap.image if snap else build.image if build else tmpl.image),
+            layers=list(snap.layers) if snap else list(build.layers) if build else [],
             snapshot_id=snap.snapshot_id if snap else None)
         if network and network.get("allowPublicTraffic") is False:
             rec.traffic_access_token = secrets.token_urlsafe(24)
@@ -319,6 +331,8 @@ class Orchestrator:
             await self._spawn_restored(rec, snap.memory_digest, restore_token=snap.restore_token)
         elif snap is not None:
             await self._spawn(rec)  # a filesystem-only snapshot: boot fresh on its layers
+        elif build is not None:  # a built template: restore its committed snapshot (start command running)
+            await self._spawn_restored(rec, build.memory_digest, restore_token=build.restore_token)
         else:
             await self._spawn_from_template(rec, tmpl)
         log.info("created sandbox %s from %s in %.3fs (runtime %s)", rec.sandbox_id, template,
@@ -569,7 +583,7 @@ class Orchestrator:
                  for c in inside if c["local"].startswith(("127.", "::1")) or c["remote"].startswith(("127.", "::1"))]
         return busy
 
-    async def _drain_connections(self, rec: SandboxRecord) -> None:
+    async def _drain_connections(self, rec: SandboxRecord, budget: float | None = None) -> None:
         """Before a checkpoint: wait until the sandbox holds no TCP endpoint but listeners.
 
         gVisor (2022 releases) refuses to checkpoint otherwise, and the refusal kills the sandbox.
@@ -581,7 +595,7 @@ class Orchestrator:
         if slot is None:
             return
         start = time.monotonic()
-        deadline = start + self.settings.capture_drain_s
+        deadline = start + (self.settings.capture_drain_s if budget is None else budget)
         delay = 0.05
         while True:
             busy = await self._blocking_connections(rec, slot)

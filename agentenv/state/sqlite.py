@@ -17,7 +17,8 @@ from typing import Any
 
 import aiosqlite
 
-from agentenv.models import ApiKeyRecord, SandboxRecord, SandboxState, SnapshotRecord, TeamRecord, TemplateRecord
+from agentenv.models import (ApiKeyRecord, SandboxRecord, SandboxState, SnapshotRecord, TeamRecord,
+                             TemplateBuildRecord, TemplateRecord, TemplateTag)
 
 # Append-only: migration N brings the schema from version N to N+1. Never edit a released entry.
 MIGRATIONS: list[str] = [
@@ -105,6 +106,33 @@ MIGRATIONS: list[str] = [
         SELECT DISTINCT team_id, team_id, MIN(created_at) FROM api_keys GROUP BY team_id;
     CREATE INDEX api_keys_team ON api_keys (team_id);
     """,
+    # 3 -> 4: templates built through the template API (builds, tags, build-step cache).
+    """
+    ALTER TABLE templates ADD COLUMN team_id TEXT;
+    CREATE TABLE template_builds (
+        build_id TEXT PRIMARY KEY,
+        template_id TEXT NOT NULL,
+        team_id TEXT NOT NULL,
+        status TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        data TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX template_builds_template ON template_builds (template_id, created_at);
+    CREATE TABLE template_tags (
+        template_id TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        build_id TEXT NOT NULL,
+        created_at TEXT NOT NULL,
+        PRIMARY KEY (template_id, tag)
+    );
+    CREATE TABLE build_cache (
+        key TEXT PRIMARY KEY,
+        template_id TEXT NOT NULL,
+        data TEXT NOT NULL,
+        created_at TEXT NOT NULL
+    );
+    CREATE INDEX build_cache_template ON build_cache (template_id);
+    """,
 ]
 
 _SANDBOX_COLS = (
@@ -117,7 +145,8 @@ _SNAPSHOT_COLS = (
     "snapshot_id", "team_id", "names", "source_sandbox_id", "template_id", "image", "layers", "memory_digest",
     "cpu_count", "memory_mb", "disk_mb", "env_vars", "metadata", "size_bytes", "restore_token", "created_at",
 )
-_TEMPLATE_COLS = ("template_id", "aliases", "cpu_count", "memory_mb", "disk_mb", "image", "public", "created_at")
+_TEMPLATE_COLS = ("template_id", "aliases", "cpu_count", "memory_mb", "disk_mb", "image", "public", "created_at",
+                  "team_id")
 _KEY_COLS = ("key_id", "key_hash", "team_id", "name", "created_at", "revoked")
 _TEAM_COLS = ("team_id", "name", "max_sandboxes", "created_at")
 
@@ -323,6 +352,7 @@ class SQLiteStateStore:
             "image": rec.image,
             "public": int(rec.public),
             "created_at": _ts(rec.created_at),
+            "team_id": rec.team_id,
         }
         await self._write(_insert_sql("templates", _TEMPLATE_COLS), [values[c] for c in _TEMPLATE_COLS])
 
@@ -337,6 +367,7 @@ class SQLiteStateStore:
             image=row["image"],
             public=bool(row["public"]),
             created_at=_dt(row["created_at"]),
+            team_id=row["team_id"],
         )
 
     async def get_template(self, id_or_alias: str) -> TemplateRecord | None:
@@ -353,7 +384,57 @@ class SQLiteStateStore:
         return [self._template(r) for r in await self._fetch("SELECT * FROM templates ORDER BY created_at, template_id")]
 
     async def delete_template(self, template_id: str) -> None:
-        await self._write("DELETE FROM templates WHERE template_id = ?", (template_id,))
+        async with self._write_lock:
+            for table in ("templates", "template_builds", "template_tags", "build_cache"):
+                await self._conn.execute(f"DELETE FROM {table} WHERE template_id = ?", (template_id,))
+            await self._conn.commit()
+
+    async def put_build(self, rec: TemplateBuildRecord) -> None:
+        await self._write(
+            _insert_sql("template_builds", ("build_id", "template_id", "team_id", "status", "created_at", "data")),
+            (rec.build_id, rec.template_id, rec.team_id, rec.status.value, _ts(rec.created_at),
+             json.dumps(rec.data())))
+
+    @staticmethod
+    def _build(row: aiosqlite.Row) -> TemplateBuildRecord:
+        return TemplateBuildRecord.from_data(row["build_id"], row["template_id"], row["team_id"], row["status"],
+                                             _dt(row["created_at"]), json.loads(row["data"]))
+
+    async def get_build(self, build_id: str) -> TemplateBuildRecord | None:
+        rows = await self._fetch("SELECT * FROM template_builds WHERE build_id = ?", (build_id,))
+        return self._build(rows[0]) if rows else None
+
+    async def list_builds(self, template_id: str | None = None) -> list[TemplateBuildRecord]:
+        sql, params = "SELECT * FROM template_builds", []
+        if template_id is not None:
+            sql, params = sql + " WHERE template_id = ?", [template_id]
+        return [self._build(r) for r in await self._fetch(sql + " ORDER BY created_at, build_id", params)]
+
+    async def put_tag(self, rec: TemplateTag) -> None:
+        await self._write(_insert_sql("template_tags", ("template_id", "tag", "build_id", "created_at")),
+                          (rec.template_id, rec.tag, rec.build_id, _ts(rec.created_at)))
+
+    async def delete_tag(self, template_id: str, tag: str) -> bool:
+        return await self._write("DELETE FROM template_tags WHERE template_id = ? AND tag = ?",
+                                 (template_id, tag)) > 0
+
+    async def list_tags(self, template_id: str | None = None) -> list[TemplateTag]:
+        sql, params = "SELECT * FROM template_tags", []
+        if template_id is not None:
+            sql, params = sql + " WHERE template_id = ?", [template_id]
+        return [TemplateTag(r["template_id"], r["tag"], r["build_id"], _dt(r["created_at"]))
+                for r in await self._fetch(sql + " ORDER BY created_at, tag", params)]
+
+    async def put_cache_entry(self, key: str, template_id: str, data: dict) -> None:
+        await self._write(_insert_sql("build_cache", ("key", "template_id", "data", "created_at")),
+                          (key, template_id, json.dumps(data), _ts(datetime.now(timezone.utc))))
+
+    async def get_cache_entry(self, key: str) -> dict | None:
+        rows = await self._fetch("SELECT data FROM build_cache WHERE key = ?", (key,))
+        return json.loads(rows[0]["data"]) if rows else None
+
+    async def list_cache_entries(self) -> list[dict]:
+        return [json.loads(r["data"]) for r in await self._fetch("SELECT data FROM build_cache")]
 
     # API keys -----------------------------------------------------------------------------------
 

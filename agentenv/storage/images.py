@@ -195,6 +195,30 @@ class ImageStore:
             out.append({"name": m.get("name", d.name), "size": m.get("size"), "created": m.get("created")})
         return out
 
+    # --- image references (template builds' fromImage) ---------------------------------------
+
+    def image_digest(self, name: str) -> str:
+        """What identifies the content of a built/imported image (its manifest's build id)."""
+        m = self.manifest(name)
+        return str(m.get("digest") or m.get("build_id") or m.get("created", ""))
+
+    async def resolve_image_ref(self, ref: str, *, registry: dict | None = None,
+                                progress: ProgressFn | None = None) -> str:
+        """An image reference of a template build -> the name of a local image.
+
+        `e2bdev/base` (the SDK's default) and `base` are our base image; other references must have
+        been imported (`agentenv image import`) or be pullable from a reachable registry.
+        """
+        from agentenv.storage import oci
+
+        if ref in oci.BASE_IMAGE_REFS:
+            await self.ensure_base(progress)
+            return BASE_IMAGE
+        name = oci.local_name(ref)
+        if (self.images_dir / name / "manifest.json").is_file():
+            return name
+        return await oci.pull(self, ref, registry=registry, progress=progress)
+
     # --- base image --------------------------------------------------------------------------
 
     async def ensure_base(self, progress: ProgressFn | None = None) -> Path:

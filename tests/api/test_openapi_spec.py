@@ -45,8 +45,18 @@ EXPECTED = {
     ("get", "/events"): {"200"},
     ("get", "/observability/nodes"): {"200"},
     ("get", "/observability/lineage"): {"200"},
+    ("get", "/templates/{templateID}"): {"200"},
+    ("post", "/v3/templates"): {"202"},
+    ("get", "/templates/{templateID}/files/{hash}"): {"201"},
+    ("put", "/template-files/{hash}"): {"200"},
+    ("post", "/v2/templates/{templateID}/builds/{buildID}"): {"202"},
+    ("get", "/templates/{templateID}/builds/{buildID}/status"): {"200"},
+    ("get", "/templates/aliases/{alias}"): {"200"},
+    ("post", "/templates/tags"): {"201"},
+    ("delete", "/templates/tags"): {"204"},
+    ("get", "/templates/{templateID}/tags"): {"200"},
 }
-PUBLIC = {("get", "/health"), ("get", "/openapi.yaml")}
+PUBLIC = {("get", "/health"), ("get", "/openapi.yaml"), ("put", "/template-files/{hash}")}
 METHODS = {"get", "post", "put", "delete", "patch"}
 
 
