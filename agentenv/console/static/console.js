@@ -88,12 +88,14 @@
   // ---- lineage graph
   async function renderLineage() {
     const g = await get("/observability/lineage");
-    const els = g.nodes.map((n) => ({ data: { id: n.id, label: n.kind === "template" ? "template " + n.label : n.label, kind: n.kind, state: n.state || "" } }))
+    // Short labels (ids are 21 characters; siblings sit side by side): the full id is on hover.
+    const short = (n) => n.kind === "template" ? "template " + n.label : (n.label.length > 12 ? n.label.slice(0, 9) + "…" : n.label);
+    const els = g.nodes.map((n) => ({ data: { id: n.id, label: short(n), full: n.label, kind: n.kind, state: n.state || "" } }))
       .concat(g.edges.map((e, i) => ({ data: { id: "e" + i, source: e.from, target: e.to, kind: e.kind } })));
     if (state.cy) state.cy.destroy();
     const cy = state.cy = cytoscape({
       container: $("#lineage"), elements: els, wheelSensitivity: 0.3,
-      layout: { name: "dagre", rankDir: "TB", nodeSep: 20, rankSep: 60 },
+      layout: { name: "dagre", rankDir: "TB", nodeSep: 40, rankSep: 70 },
       style: [
         { selector: "node", style: { label: "data(label)", "font-size": 10, "text-valign": "bottom", "text-margin-y": 4, width: 22, height: 22, "background-color": "#4a7bd0" } },
         { selector: 'node[kind = "template"]', style: { shape: "round-rectangle", "background-color": "#6c757d", width: 40 } },
@@ -104,6 +106,7 @@
         { selector: "edge", style: { width: 1.5, "curve-style": "bezier", "target-arrow-shape": "triangle", "line-color": "#9aa3b2", "target-arrow-color": "#9aa3b2", label: "data(kind)", "font-size": 8, color: "#6b7280" } },
       ],
     });
+    cy.on("mouseover", "node", (ev) => { $("#lineage").title = `${ev.target.data("kind")} ${ev.target.data("full")} ${ev.target.data("state")}`; });
     cy.on("tap", 'node[kind = "sandbox"]', (ev) => { if (ev.target.data("state") !== "gone") location.hash = "#/sandbox/" + ev.target.id(); });
     api.lineage = g;
   }
