@@ -33,7 +33,7 @@ import signal
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 
@@ -84,20 +84,32 @@ def find_firecracker(configured: str | None = None) -> Path | None:
 class FirecrackerApi:
     """A kept HTTP/1.1 client on one VM's API socket; raises FirecrackerError with its fault_message."""
 
-    def __init__(self, sock: Path) -> None:
+    def __init__(self, sock: Path, alive: Callable[[], bool] | None = None) -> None:
         self.sock = sock
+        # Until the first answer, a refused connection means "not listening yet" (retried while
+        # `alive()`), which saves a readiness round trip per VM start.
+        self._alive = alive
+        self._answered = False
         self._session = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=str(sock), limit=1),
             base_url="http://firecracker", timeout=aiohttp.ClientTimeout(total=API_TIMEOUT))
 
     async def call(self, method: str, path: str, body: Any = None, *, timeout: float = API_TIMEOUT) -> Any:
         t0 = time.monotonic()
-        try:
-            async with self._session.request(method, path, json=body,
-                                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                text = await r.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise FirecrackerError(f"firecracker API {method} {path}: {type(e).__name__}: {e}") from None
+        while True:
+            try:
+                async with self._session.request(method, path, json=body,
+                                                 timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                    text = await r.text()
+                self._answered = True
+                break
+            except aiohttp.ClientConnectorError as e:
+                if (self._answered or self._alive is None or not self._alive()
+                        or time.monotonic() - t0 > SPAWN_TIMEOUT):
+                    raise FirecrackerError(f"firecracker API {method} {path}: {e}") from None
+                await asyncio.sleep(0.001)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                raise FirecrackerError(f"firecracker API {method} {path}: {type(e).__name__}: {e}") from None
         log.debug("firecracker %s %s -> %d in %.1f ms", method, path, r.status, (time.monotonic() - t0) * 1e3)
         if r.status >= 300:
             try:
@@ -221,17 +233,14 @@ class FirecrackerVM:
         finally:
             console.close()
         self.pid = self.proc.pid
-        self.api = FirecrackerApi(self.sock)
+        proc = self.proc
+        self.api = FirecrackerApi(self.sock, alive=lambda: proc.returncode is None)
         deadline = time.monotonic() + SPAWN_TIMEOUT
         while True:
             if self.proc.returncode is not None:
                 raise FirecrackerError(f"firecracker exited at start (rc={self.proc.returncode}): {self.log_tail()}")
             if self.sock.exists():
-                try:
-                    await self.api.get("/")
-                    return
-                except FirecrackerError:
-                    pass
+                return   # the first API call retries until the VMM listens
             if time.monotonic() > deadline:
                 raise FirecrackerError(f"firecracker API socket not ready after {SPAWN_TIMEOUT:.0f}s: {self.log_tail()}")
             await asyncio.sleep(0.002)
@@ -568,12 +577,11 @@ class FirecrackerRuntime:
             await asyncio.gather(setup_tap(spec.slot.netns_path if cap.get("net", True) else None, self._uid()),
                                  vm.spawn())
             state, memory = self._stage_capture(vm, image_dir)
-            with_mmds = cap.get("net", True) and cap.get("mmds", True)
-            # The new identity is in MMDS before the guest runs a single instruction (fork children).
-            await vm.load(state, memory, track_dirty_pages=cap.get("track_dirty_pages", True), resume=not with_mmds)
-            if with_mmds:
+            if cap.get("net", True) and cap.get("mmds", True):
+                # The new identity is in MMDS before the guest runs a single instruction (fork
+                # children): the data store is not part of a snapshot and may be filled before loading.
                 await vm.set_mmds(self._mmds(spec))
-                await vm.resume()
+            await vm.load(state, memory, track_dirty_pages=cap.get("track_dirty_pages", True))
             vm.free_page_reporting = bool(cap.get("free_page_reporting", False))
             self._write_meta(vm, VmMeta(spec.sandbox_id, vm.pid or 0, spec.slot.netns_path,
                                         str((image_dir / MEMORY_FILE).resolve()), writable,
