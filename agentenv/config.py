@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -116,6 +117,20 @@ class Settings(BaseSettings):
             return self.public_url.rstrip("/")
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"
+
+    def sandbox_domain(self) -> str | None:
+        """The `domain` given to SDKs, so `get_host(port)` names a host the proxy serves.
+
+        The configured `domain`, else `localhost:<port>` when the server is reached on loopback
+        (`<port>-<id>.localhost:<port>`: curl, browsers and systemd-resolved map `*.localhost` to
+        loopback). Otherwise None: a reachable name needs wildcard DNS (docs/proxy.md).
+        """
+        if self.domain:
+            return self.domain
+        url = urlsplit(self.api_url())
+        if url.hostname in ("127.0.0.1", "localhost", "::1"):
+            return f"localhost:{url.port or 80}"
+        return None
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 One listener carries both planes, as the E2B SDKs expect when E2B_API_URL and E2B_SANDBOX_URL
 point at the same address: requests addressed to a sandbox (E2b-Sandbox-Id header, a
-`<port>-<id>.<domain>` host, or a signed /files URL) go to the traffic proxy; everything else is the
-control API.
+`<port>-<id>.<domain>` host, a `/proxy/<id>/<port>/` path, or a signed /files URL) go to the traffic
+proxy; everything else is the control API.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ async def build(settings: Settings) -> Components:
         await snapshot_store.ensure_bucket()
     orch = Orchestrator(settings, store, images, RootfsManager(settings.paths), NetworkManager(settings),
                         runtime, ArtifactCache(settings.data_dir, snapshot_store))
-    proxy = TrafficProxy(orch, domain=settings.domain)
+    proxy = TrafficProxy(orch, domain=settings.sandbox_domain())
     orch.on_before_stop.append(proxy.close_sandbox_connections)
     from agentenv.observability import Observability
 

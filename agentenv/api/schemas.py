@@ -186,7 +186,7 @@ def sandbox_json(rec: SandboxRecord, settings: Settings) -> dict[str, Any]:
         "clientID": CLIENT_ID,
         "envdVersion": ENVD_VERSION,
         "trafficAccessToken": rec.traffic_access_token,
-        "domain": settings.domain or None,
+        "domain": settings.sandbox_domain(),
     }
     if rec.alias:
         out["alias"] = rec.alias
@@ -223,7 +223,7 @@ def listed_sandbox_json(rec: SandboxRecord) -> dict[str, Any]:
 def sandbox_detail_json(rec: SandboxRecord, settings: Settings) -> dict[str, Any]:
     """`SandboxDetail`: GET /sandboxes/{id} (1.x SDKs also connect through it, hence the token)."""
     out = _listed_common(rec)
-    out["domain"] = settings.domain or None
+    out["domain"] = settings.sandbox_domain()
     out["allowInternetAccess"] = rec.allow_internet_access
     out["lifecycle"] = {"autoResume": rec.auto_resume, "onTimeout": "pause" if rec.auto_pause else "kill"}
     if rec.envd_access_token:

@@ -98,6 +98,7 @@ class Orchestrator:
         self._reserved: dict[str, int] = {}  # team -> sandboxes being created/resumed/forked, counted by quota
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
         self._warm_building: dict[str, asyncio.Task] = {}
+        self._waking: dict[str, asyncio.Task] = {}  # single-flight resumes triggered by traffic
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list = []
         from agentenv.orchestrator.templates import TemplateService
@@ -998,6 +999,10 @@ class Orchestrator:
     # ------------------------------------------------------------------ resolver for the traffic proxy
 
     async def resolve(self, sandbox_id: str) -> Route | None:
+        """Where traffic for a sandbox goes; wakes it first when it is paused with auto-resume on.
+
+        Raises AgentEnvError when a wake was attempted and failed (the proxy answers 503).
+        """
         rec = self._records.get(sandbox_id)
         if rec is None:
             return None
@@ -1008,10 +1013,47 @@ class Orchestrator:
             rec = self._records.get(sandbox_id)
             if rec is None:
                 return None
+        if self._wakeable(rec):
+            await self.wake_sandbox(sandbox_id)
+            rec = self._records.get(sandbox_id)
+            if rec is None:
+                return None
         slot = self._slots.get(sandbox_id)
         running = rec.state == SandboxState.RUNNING
         return Route(sandbox_id, slot.host_ip if (slot and running) else None,
                      "running" if running else rec.state.value, rec.envd_access_token, rec.traffic_access_token)
+
+    @staticmethod
+    def _wakeable(rec: SandboxRecord) -> bool:
+        """Paused with its memory (a filesystem-only pause cannot be woken transparently: it reboots)."""
+        return rec.state == SandboxState.PAUSED and rec.auto_resume and rec.pause_mode != "filesystem"
+
+    async def wake_sandbox(self, sandbox_id: str) -> None:
+        """Resume a paused auto-resume sandbox because traffic arrived for it (single flight).
+
+        Every request that finds the sandbox paused awaits the same resume task; the task is
+        shielded, so a client that gives up does not cancel the resume for the others.
+        """
+        task = self._waking.get(sandbox_id)
+        if task is None:
+            task = asyncio.create_task(self._wake_once(sandbox_id), name=f"wake-{sandbox_id}")
+            self._waking[sandbox_id] = task
+            task.add_done_callback(lambda t: self._waking.pop(sandbox_id, None) if self._waking.get(
+                sandbox_id) is t else None)
+        await asyncio.shield(task)
+
+    async def _wake_once(self, sandbox_id: str) -> None:
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self._records.get(sandbox_id)
+            if rec is None or not self._wakeable(rec):
+                return  # resumed, killed or changed meanwhile by someone else
+            # The sandbox gets the same time to live as its last run had (its create/connect
+            # timeout plus any extension), so an auto-pause sandbox keeps its rhythm.
+            ran = int((rec.end_at - rec.started_at).total_seconds())
+            timeout = min(ran if ran > 0 else self.settings.default_timeout_s, self.settings.max_timeout_s)
+            t0 = time.monotonic()
+            await self._resume_locked(rec, timeout)
+            log.info("woke sandbox %s on traffic in %.3fs (auto-resume)", sandbox_id, time.monotonic() - t0)
 
     def running_routes(self) -> Iterable[Route]:
         for sid, rec in self._records.items():

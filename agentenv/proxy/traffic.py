@@ -1,8 +1,9 @@
 """Data-plane reverse proxy: forwards SDK traffic (envd, Jupyter, user ports) into sandboxes.
 
 One listener serves the control API and E2B_SANDBOX_URL; `TrafficProxy.matches` tells sandbox
-traffic apart (routing headers, `<port>-<id>.` Host, or a signed `/files` URL) and `handle`
-forwards it with raw, streaming bodies in both directions.
+traffic apart (routing headers, `<port>-<id>.` Host, a `/proxy/<id>/<port>/...` path, or a signed
+`/files` URL) and `handle` forwards it with raw, streaming bodies in both directions. docs/proxy.md
+describes the routing forms, credentials and errors for users.
 
 The listener must be created with ``auto_decompress=False`` (see `LISTENER_OPTIONS`), otherwise
 aiohttp inflates gzip request bodies before we can pass them through untouched.
@@ -43,7 +44,14 @@ SANDBOX_ID_HEADER = "E2b-Sandbox-Id"
 SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
 TRAFFIC_TOKEN_HEADER = "E2B-Traffic-Access-Token"
 
+PATH_PREFIX = "/proxy/"
+# The prefix a path-routed request had, for apps that build absolute links (`X-Forwarded-Prefix`).
+FORWARDED_PREFIX_HEADER = "X-Forwarded-Prefix"
+
 _HOST_LABEL = re.compile(r"^(\d+)-([a-z0-9]+)$")
+_PATH_ROUTE = re.compile(r"^/proxy/([a-z0-9]+)/(\d{1,5})(/[^?]*)?(\?.*)?$", re.S)
+# `Authorization` values that carry one of our API keys: meant for the control API, never forwarded.
+_API_KEY_AUTH = re.compile(r"^(?:bearer\s+)?e2b_[0-9a-f]+\s*$", re.I)
 _HOP_BY_HOP = frozenset(
     h.lower()
     for h in (
@@ -51,9 +59,9 @@ _HOP_BY_HOP = frozenset(
         "TE", "Trailer", "Transfer-Encoding", "Upgrade",
     )
 )
-# Never forwarded upstream: the API key is not a data-plane credential, and Expect was already
-# answered by our own listener.
-_STRIP_REQUEST = frozenset({"x-api-key", "expect"})
+# Never forwarded upstream: the API key is not a data-plane credential, the traffic token is ours
+# (checked here, of no use to the sandbox), and Expect was already answered by our own listener.
+_STRIP_REQUEST = frozenset({"x-api-key", "expect", TRAFFIC_TOKEN_HEADER.lower()})
 # Headers aiohttp's client would otherwise invent; we forward exactly what the client sent.
 _NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _WS_HANDSHAKE = frozenset(
@@ -106,6 +114,16 @@ def file_signature(path: str, operation: str, username: str, token: str, expirat
 
 
 _WS = web.WebSocketResponse | aiohttp.ClientWebSocketResponse
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one request goes: sandbox, port, and the raw path + query to send upstream."""
+
+    sandbox_id: str
+    port: int
+    raw_path: str
+    prefix: str | None = None  # the /proxy/<id>/<port> prefix a path-routed request had
 
 
 @dataclass(eq=False)
@@ -188,7 +206,7 @@ class TrafficProxy:
             return True
         if self._host_target(request) is not None:
             return True
-        return request.path == "/files"
+        return request.path == "/files" or request.raw_path.startswith(PATH_PREFIX)
 
     def _signed_files_target(self, request: web.BaseRequest) -> str | None:
         """Find the running sandbox whose envd token produced this URL's signature."""
@@ -204,20 +222,26 @@ class TrafficProxy:
                 return route.sandbox_id
         return None
 
-    def _target(self, request: web.BaseRequest) -> tuple[str, int] | web.Response:
+    def _target(self, request: web.BaseRequest) -> _Target | web.Response:
         sandbox_id = request.headers.get(SANDBOX_ID_HEADER)
         if sandbox_id:
             raw_port = request.headers.get(SANDBOX_PORT_HEADER, "").strip() or str(ENVD_PORT)
             if not raw_port.isdigit() or not 0 < int(raw_port) < 65536:
                 return _error(400, f"Invalid {SANDBOX_PORT_HEADER} header: {raw_port!r}", sandbox_id)
-            return sandbox_id.strip(), int(raw_port)
+            return _Target(sandbox_id.strip(), int(raw_port), request.raw_path)
         by_host = self._host_target(request)
         if by_host is not None:
-            return by_host
+            return _Target(*by_host, request.raw_path)
+        if request.raw_path.startswith(PATH_PREFIX):
+            m = _PATH_ROUTE.match(request.raw_path)
+            if m is None or not 0 < int(m.group(2)) < 65536:
+                return _error(400, "Path-routed sandbox traffic must look like /proxy/<sandboxID>/<port>/<path>")
+            sandbox_id, port, rest, query = m.group(1), int(m.group(2)), m.group(3) or "/", m.group(4) or ""
+            return _Target(sandbox_id, port, rest + query, prefix=f"/proxy/{sandbox_id}/{port}")
         sandbox_id = self._signed_files_target(request)
         if sandbox_id is None:
             return _error(401, "The URL is not signed for any running sandbox")
-        return sandbox_id, ENVD_PORT
+        return _Target(sandbox_id, ENVD_PORT, request.raw_path)
 
     # ------------------------------------------------------------------ entry point
 
@@ -228,7 +252,7 @@ class TrafficProxy:
         if isinstance(target, web.Response):
             self.stats.errors["unauthorized" if target.status == 401 else "bad_request"] += 1
             return target
-        sandbox_id, port = target
+        sandbox_id = target.sandbox_id
         task = asyncio.current_task()
         assert task is not None
         # Registered before resolving, so a concurrent close_sandbox_connections cannot miss it.
@@ -238,7 +262,7 @@ class TrafficProxy:
             self._watcher = asyncio.create_task(self._watch_clients())
         self.stats.active += 1
         try:
-            return await self._handle_flight(request, flight, port)
+            return await self._handle_flight(request, flight, target)
         except asyncio.CancelledError:
             # Only swallow our own cancellation, and only if nobody else cancelled us as well.
             if flight.reason is None or task.uncancel() > 0:
@@ -260,26 +284,37 @@ class TrafficProxy:
                 if not flights:
                     del self._flights[sandbox_id]
 
-    async def _handle_flight(self, request: web.Request, flight: _Flight, port: int) -> web.StreamResponse:
-        sandbox_id = flight.sandbox_id
+    async def _handle_flight(self, request: web.Request, flight: _Flight, target: _Target) -> web.StreamResponse:
+        sandbox_id, port = flight.sandbox_id, target.port
         if self._closed:
             return _error(503, "The proxy is shutting down", sandbox_id)
-        route = await self._resolver.resolve(sandbox_id)
+        try:
+            # May wake a paused sandbox that has auto-resume on (and wait for it).
+            route = await self._resolver.resolve(sandbox_id)
+        except Exception as exc:  # noqa: BLE001 - a failed wake must answer, not crash the request
+            self.stats.errors["resume_failed"] += 1
+            message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            return _error(503, f"The sandbox could not be resumed: {message}", sandbox_id)
         if route is None or route.state != "running" or not route.host_ip:
             self.stats.errors["not_found"] += 1
+            if route is not None and route.state == "paused":
+                return _error(502, "The sandbox was not found: it is paused and auto-resume is off "
+                              "(resume it with Sandbox.connect())", sandbox_id)
             return _not_found(sandbox_id)
         if route.traffic_access_token and port != ENVD_PORT:
             given = request.headers.get(TRAFFIC_TOKEN_HEADER, "")
             if not hmac.compare_digest(given.encode(), route.traffic_access_token.encode()):
                 self.stats.errors["forbidden"] += 1
-                return _error(403, f"Missing or invalid {TRAFFIC_TOKEN_HEADER} header", sandbox_id)
+                what = "Invalid" if given else "Missing"
+                return _error(403, f"{what} {TRAFFIC_TOKEN_HEADER} header: this sandbox is private "
+                              "(created with allowPublicTraffic=false)", sandbox_id)
         host, up_port = self._port_override(route, port) if self._port_override else (route.host_ip, port)
-        path, _, query = request.raw_path.partition("?")
+        path, _, query = target.raw_path.partition("?")
         url = URL.build(scheme="http", host=host, port=up_port, path=path, query_string=query, encoded=True)
 
         if self._is_websocket(request):
-            return await self._proxy_websocket(request, flight, url)
-        return await self._proxy_http(request, flight, url)
+            return await self._proxy_websocket(request, flight, url, target)
+        return await self._proxy_http(request, flight, url, target)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -299,11 +334,17 @@ class TrafficProxy:
             self._sessions[sandbox_id] = session
         return session
 
-    def _upstream_headers(self, request: web.BaseRequest, *, websocket: bool = False) -> CIMultiDict[str]:
+    def _upstream_headers(self, request: web.BaseRequest, target: _Target, *,
+                          websocket: bool = False) -> CIMultiDict[str]:
         drop = _connection_tokens(request.headers) | _STRIP_REQUEST
         if websocket:
             drop |= _WS_HANDSHAKE
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in drop)
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items()
+            if k.lower() not in drop and not (k.lower() == "authorization" and _API_KEY_AUTH.match(v))
+        )
+        if target.prefix is not None:
+            headers[FORWARDED_PREFIX_HEADER] = target.prefix
         remote = request.remote or ""
         prior = request.headers.get("X-Forwarded-For")
         headers["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
@@ -317,14 +358,15 @@ class TrafficProxy:
             self.stats.bytes_to_sandbox += len(chunk)
             yield chunk
 
-    async def _proxy_http(self, request: web.Request, flight: _Flight, url: URL) -> web.StreamResponse:
+    async def _proxy_http(self, request: web.Request, flight: _Flight, url: URL,
+                          target: _Target) -> web.StreamResponse:
         sandbox_id = flight.sandbox_id
         session = self._session(sandbox_id)
         try:
             upstream = await session.request(
                 request.method,
                 url,
-                headers=self._upstream_headers(request),
+                headers=self._upstream_headers(request, target),
                 data=self._request_body(request) if request.body_exists else None,
                 allow_redirects=False,
                 compress=None,
@@ -407,13 +449,14 @@ class TrafficProxy:
             return False
         return "upgrade" in {t.strip().lower() for t in request.headers.get("Connection", "").split(",")}
 
-    async def _proxy_websocket(self, request: web.Request, flight: _Flight, url: URL) -> web.StreamResponse:
+    async def _proxy_websocket(self, request: web.Request, flight: _Flight, url: URL,
+                               target: _Target) -> web.StreamResponse:
         sandbox_id = flight.sandbox_id
         protocols = [p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         try:
             upstream = await self._session(sandbox_id).ws_connect(
                 url,
-                headers=self._upstream_headers(request, websocket=True),
+                headers=self._upstream_headers(request, target, websocket=True),
                 protocols=protocols,
                 autoping=False,
                 autoclose=True,

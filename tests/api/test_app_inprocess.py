@@ -282,7 +282,7 @@ async def test_create_v2_defaults_and_response_shape(env):
     assert sbx["sandboxID"] in env.orch.sandboxes
     assert sbx["envdVersion"] == ENVD_VERSION and sbx["clientID"] == CLIENT_ID
     assert sbx["envdAccessToken"] == env.orch.sandboxes[sbx["sandboxID"]].envd_access_token
-    assert sbx["domain"] is None
+    assert sbx["domain"] == env.settings.sandbox_domain() == "localhost:3000"
     call = env.orch.calls[-1]
     assert call[:4] == ("create", "base", env.settings.default_timeout_s, True)
 
@@ -470,7 +470,7 @@ async def test_fork_count_two_and_child_shape(env):
         rec = env.orch.sandboxes[child["sandboxID"]]
         assert child["envdAccessToken"] == rec.envd_access_token
         assert child["envdVersion"] == ENVD_VERSION and child["clientID"] == CLIENT_ID
-        assert child["templateID"] == rec.template_id and child["domain"] is None
+        assert child["templateID"] == rec.template_id and child["domain"] == "localhost:3000"
         assert rec.parent_id == src["sandboxID"]
         assert (await env.client.get(f"/sandboxes/{child['sandboxID']}")).status_code == 200
 

@@ -154,6 +154,7 @@ def upstream_app(up: Upstream) -> web.Application:
     app.router.add_get("/dies", dies)
     app.router.add_get("/set-cookies", set_cookies)
     app.router.add_get("/whoami", whoami)
+    app.router.add_get("/", whoami)
     app.router.add_get("/files", whoami)
     app.router.add_post("/files", whoami)
     app.router.add_get("/echo-headers", echo_headers)
@@ -302,11 +303,43 @@ async def test_host_routing(env: Env, client: aiohttp.ClientSession) -> None:
         assert (await r.json()) == {"plane": "control"}
 
 
-@pytest.mark.parametrize("sandbox_id", ["doesnotexist", "pausedone"])
-async def test_not_found_is_502_with_e2b_body(env: Env, client: aiohttp.ClientSession, sandbox_id: str) -> None:
-    async with client.get(f"{env.url}/health", headers=sbx(sandbox_id)) as r:
+async def test_not_found_is_502_with_e2b_body(env: Env, client: aiohttp.ClientSession) -> None:
+    async with client.get(f"{env.url}/health", headers=sbx("doesnotexist")) as r:
         assert r.status == 502
-        assert await r.json() == {"sandboxId": sandbox_id, "message": "The sandbox was not found", "code": 502}
+        assert await r.json() == {"sandboxId": "doesnotexist", "message": "The sandbox was not found", "code": 502}
+
+
+async def test_paused_without_auto_resume_is_502_that_the_sdk_reads_as_not_running(
+        env: Env, client: aiohttp.ClientSession) -> None:
+    async with client.get(f"{env.url}/health", headers=sbx("pausedone")) as r:
+        assert r.status == 502
+        body = await r.json()
+    assert body["sandboxId"] == "pausedone" and body["code"] == 502
+    # The SDKs key on this substring (SandboxNotRunning / is_running() False); the rest says why.
+    assert "was not found" in body["message"] and "paused" in body["message"]
+
+
+async def test_path_routing(env: Env, client: aiohttp.ClientSession) -> None:
+    async with client.get(f"{env.url}/proxy/sbxb/{USER_PORT}/whoami?x=1%202&y=") as r:
+        assert r.status == 200
+        assert await r.json() == {"name": "sbxb", "path_qs": "/whoami?x=1%202&y=", "method": "GET"}
+    async with client.get(f"{env.url}/proxy/sbxa/{USER_PORT}") as r:
+        assert await r.json() == {"name": "sbxa", "path_qs": "/", "method": "GET"}  # no path: "/"
+    async with client.get(f"{env.url}/proxy/sbxa/{USER_PORT}/echo-headers") as r:
+        got = {k.lower(): v for k, v in (await r.json())["headers"]}
+    assert got["x-forwarded-prefix"] == f"/proxy/sbxa/{USER_PORT}"
+    body = b"x" * 100_000
+    async with client.post(f"{env.url}/proxy/sbxb/{USER_PORT}/upload", data=body) as r:
+        assert (await r.json())["sha256"] == hashlib.sha256(body).hexdigest()
+    async with client.ws_connect(f"{env.url}/proxy/sbxd/{USER_PORT}/ws", protocols=("echo.v1",)) as ws:
+        await ws.send_str("hi")
+        assert (await ws.receive()).data == "sbxd:hi"
+    for bad in ("/proxy/sbxa", "/proxy/sbxa/http/x", "/proxy/SBXA/80/", "/proxy/sbxa/99999/"):
+        async with client.get(f"{env.url}{bad}") as r:
+            assert r.status == 400, bad
+            assert "/proxy/<sandboxID>/<port>/<path>" in (await r.json())["message"]
+    async with client.get(f"{env.url}/proxy/sbxc/{USER_PORT}/whoami") as r:  # private: token needed
+        assert r.status == 403
 
 
 async def test_port_not_open_is_502(env: Env, client: aiohttp.ClientSession) -> None:
@@ -345,6 +378,18 @@ async def test_traffic_token_enforced_except_on_envd_port(env: Env, client: aioh
         assert r.status == 200 and (await r.json())["name"] == "sbxc"
     async with client.get(f"{env.url}/whoami", headers=sbx("sbxc", ENVD_PORT)) as r:
         assert r.status == 200
+    # The token is ours: checked here, not handed to the sandbox.
+    async with client.get(f"{env.url}/echo-headers", headers=right) as r:
+        got = {k.lower() for k, _ in (await r.json())["headers"]}
+    assert "e2b-traffic-access-token" not in got
+
+
+async def test_authorization_carrying_an_api_key_is_not_forwarded(env: Env, client: aiohttp.ClientSession) -> None:
+    for value, forwarded in (("Bearer e2b_0123abcd", False), ("e2b_0123abcd", False),
+                             ("Bearer app-token", True), ("Basic dXNlcjo=", True)):
+        async with client.get(f"{env.url}/echo-headers", headers=sbx("sbxa", USER_PORT, Authorization=value)) as r:
+            got = {k.lower(): v for k, v in (await r.json())["headers"]}
+        assert (got.get("authorization") == value) is forwarded, value
 
 
 # --------------------------------------------------------------------------- headers
