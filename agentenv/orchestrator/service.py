@@ -1006,9 +1006,11 @@ class Orchestrator:
         rec = self._records.get(sandbox_id)
         if rec is None:
             return None
-        # Traffic arriving during a short capture/resume waits for it rather than failing.
+        # Traffic arriving during a short capture/resume waits for it rather than failing; during
+        # the pause of an auto-resume sandbox it waits for the pause, then wakes it.
         deadline = time.monotonic() + 60
-        while rec.state in _TRANSIENT and time.monotonic() < deadline:
+        while (rec.state in _TRANSIENT or (rec.state == SandboxState.PAUSING and rec.auto_resume)) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
             rec = self._records.get(sandbox_id)
             if rec is None:

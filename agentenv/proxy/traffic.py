@@ -11,7 +11,9 @@ aiohttp inflates gzip request bodies before we can pass them through untouched.
 gVisor cannot checkpoint a sandbox that holds a non-listening TCP socket (including TIME_WAIT
 after a close it initiated), so every upstream connection is closed from the proxy side: idle
 pooled connections expire here before typical server idle timeouts, and
-`close_sandbox_connections` drops everything towards one sandbox right before a checkpoint.
+`close_sandbox_connections` drops everything towards one sandbox right before a checkpoint. The
+closes are resets (SO_LINGER 0): the sandbox's endpoint goes straight to CLOSED, with no FIN
+exchange that could leave it in TIME_WAIT (which would hold a pause off for 60 s).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import hashlib
 import hmac
 import logging
 import re
+import socket
+import struct
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -151,6 +155,14 @@ def _error(status: int, message: str, sandbox_id: str | None = None) -> web.Resp
 
 def _not_found(sandbox_id: str) -> web.Response:
     return _error(502, "The sandbox was not found", sandbox_id)
+
+
+def _resetting_socket(addr_info: Any) -> socket.socket:
+    """Upstream sockets close with a reset, so the sandbox never ends up in TIME_WAIT (module doc)."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    return sock
 
 
 def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
@@ -297,7 +309,7 @@ class TrafficProxy:
             return _error(503, f"The sandbox could not be resumed: {message}", sandbox_id)
         if route is None or route.state != "running" or not route.host_ip:
             self.stats.errors["not_found"] += 1
-            if route is not None and route.state == "paused":
+            if route is not None and route.state in ("paused", "pausing"):
                 return _error(502, "The sandbox was not found: it is paused and auto-resume is off "
                               "(resume it with Sandbox.connect())", sandbox_id)
             return _not_found(sandbox_id)
@@ -323,7 +335,8 @@ class TrafficProxy:
         session = self._sessions.get(sandbox_id)
         if session is None or session.closed:
             session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout,
+                                               socket_factory=_resetting_socket),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
                 auto_decompress=False,
                 cookie_jar=aiohttp.DummyCookieJar(),  # never share cookies between clients
@@ -477,32 +490,43 @@ class TrafficProxy:
 
         self.stats.websockets += 1
         try:
+            # autoclose off on both sides: a close is relayed, and the close code the client sees
+            # is the one the other end answered with (not a default 1000 from our side).
             downstream = web.WebSocketResponse(
                 protocols=(upstream.protocol,) if upstream.protocol else (),
                 autoping=False,
-                autoclose=True,
+                autoclose=False,
                 max_msg_size=0,
                 compress=False,
             )
             await downstream.prepare(request)
             flight.response = downstream
-            pumps = [
-                asyncio.create_task(self._pump(downstream, upstream, to_sandbox=True)),
-                asyncio.create_task(self._pump(upstream, downstream, to_sandbox=False)),
-            ]
+            from_client = asyncio.create_task(self._pump(downstream, upstream, to_sandbox=True))
+            from_sandbox = asyncio.create_task(self._pump(upstream, downstream, to_sandbox=False))
             try:
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait((from_client, from_sandbox), return_when=asyncio.FIRST_COMPLETED)
+                first = done.pop()
+                closed = None if first.cancelled() or first.exception() else first.result()
+                if closed is not None and first is from_client:
+                    # Client closed: close handshake with the sandbox, then answer with its code.
+                    await upstream.close(code=closed[0], message=closed[1])
+                    await downstream.close(code=_relayable(upstream.close_code, closed[0]), message=closed[1])
+                elif closed is not None:
+                    # Sandbox closed: the same the other way round.
+                    await downstream.close(code=closed[0], message=closed[1])
+                    await upstream.close(code=_relayable(downstream.close_code, closed[0]), message=closed[1])
             finally:
-                for p in pumps:
+                for p in (from_client, from_sandbox):
                     p.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-            await downstream.close()
+                await asyncio.gather(from_client, from_sandbox, return_exceptions=True)
+            await downstream.close()  # no-op after a relayed close; 1000 after an error
             return downstream
         finally:
             await upstream.close()
 
-    async def _pump(self, src: _WS, dst: _WS, *, to_sandbox: bool) -> None:
-        """Relay frames one way until a close; control frames are passed through too."""
+    async def _pump(self, src: _WS, dst: _WS, *, to_sandbox: bool) -> tuple[int, bytes] | None:
+        """Relay frames one way. Returns (code, reason) when `src` sent a close, None when it
+        ended otherwise (we are closing it, or the connection broke)."""
         while True:
             msg = await src.receive()
             if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
@@ -520,11 +544,9 @@ class TrafficProxy:
             elif msg.type == WSMsgType.PONG:
                 await dst.pong(msg.data)
             elif msg.type == WSMsgType.CLOSE:
-                code = msg.data if isinstance(msg.data, int) and _sendable_close_code(msg.data) else 1000
-                await dst.close(code=code, message=(msg.extra or "").encode())
-                return
+                return _relayable(msg.data, 1000), (msg.extra or "").encode()
             else:  # CLOSING, CLOSED, ERROR
-                return
+                return None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -557,5 +579,8 @@ class TrafficProxy:
             await asyncio.gather(self._watcher, return_exceptions=True)
 
 
-def _sendable_close_code(code: int) -> bool:
-    return (1000 <= code <= 4999) and code not in (1004, 1005, 1006, 1015)
+def _relayable(code: object, fallback: int) -> int:
+    """A close code we may put on the wire (1005/1006/1015 are reserved for local use)."""
+    if isinstance(code, int) and 1000 <= code <= 4999 and code not in (1004, 1005, 1006, 1015):
+        return code
+    return fallback

@@ -702,6 +702,8 @@ async def test_idle_upstream_connections_are_closed_by_the_proxy(env: Env) -> No
             async with session.ws_connect(f"{url}/ws", headers=sbx("idle", USER_PORT)) as ws:
                 await ws.send_str("x")
                 assert (await ws.receive(timeout=5)).data == "idle:x"
+            async with session.get(f"{url}/whoami", headers=sbx("idle")) as r:  # pooled again
+                assert r.status == 200
             assert [s for s in tcp_sockets(up.port) if s[0] == "ESTABLISHED"]
             deadline = time.monotonic() + 3
             while [s for s in tcp_sockets(up.port) if s[0] != "LISTEN" and s[0] != "TIME_WAIT"]:
