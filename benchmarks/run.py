@@ -2,7 +2,7 @@
 """agentenv benchmarks: our server (through the official e2b SDK) next to raw runsc baselines.
 
 Usage (as root, from the repo):
-    .venv/bin/python benchmarks/run.py [--quick] [--only create,exec,files,lifecycle,snapshot,memory]
+    .venv/bin/python benchmarks/run.py [--quick] [--only create,exec,files,pause,fork,snapshot,proxy]
 
 Starts its own `agentenv serve` (data dir /var/tmp/agentenv-bench, images hard-linked from
 /var/tmp/agentenv-test/images when present), measures, stops the server by PID, runs `agentenv gc`
@@ -61,6 +61,79 @@ while True:
         pass
     c.close()
 """ % RAW_PORT
+
+
+# The proxy benchmark's upstream: a minimal keep-alive HTTP/1.1 server (asyncio, so it is not the
+# bottleneck of what is measured: the proxy in front of it). Answers every GET with 23 bytes.
+PROXY_APP_PORT = 8000
+PROXY_APP = r"""
+import asyncio
+BODY = b"hello from the sandbox\n"
+RESP = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
+class App(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.t, self.buf = transport, b""
+    def data_received(self, data):
+        self.buf += data
+        n = self.buf.count(b"\r\n\r\n")
+        if n:
+            self.buf = self.buf[self.buf.rfind(b"\r\n\r\n") + 4:]
+            self.t.write(RESP * n)
+async def main():
+    server = await asyncio.get_running_loop().create_server(App, "0.0.0.0", PORT, backlog=1024)
+    await server.serve_forever()
+asyncio.run(main())
+""".replace("PORT", str(PROXY_APP_PORT))
+
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+  upstream sandbox {{ server {upstream}; keepalive 64; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://sandbox;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header Host $host;
+      proxy_set_header X-Forwarded-For $remote_addr;
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+def wrk(url: str, *, connections: int, seconds: int, headers: dict[str, str] | None = None) -> dict:
+    """One `wrk --latency` run: requests/s, p50/p99 latency (s), errors."""
+    argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s"]
+    for k, v in (headers or {}).items():
+        argv += ["-H", f"{k}: {v}"]
+    out = sh(argv + [url], timeout=seconds + 60).stdout
+
+    def dur(tok: str) -> float:
+        m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", tok)
+        if not m:
+            return float("nan")
+        return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}[m.group(2)]
+
+    lat = {int(m.group(1)): dur(m.group(2)) for m in re.finditer(r"^\s+(\d+)%\s+(\S+)", out, re.M)}
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    reqs = re.search(r"(\d+) requests in", out)
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    return {"rps": float(rps.group(1)) if rps else None, "p50": lat.get(50), "p99": lat.get(99),
+            "requests": int(reqs.group(1)) if reqs else 0, "non_2xx": int(non2xx.group(1)) if non2xx else 0,
+            "socket_errors": sum(int(x) for x in sock.groups()) if sock else 0, "connections": connections,
+            "seconds": seconds, "raw": out}
 
 
 def log(msg: str) -> None:
@@ -678,10 +751,82 @@ class Bench:
             raw.append({"MiB": mb, "checkpoint": t, "size_bytes": size})
         self.results["snapshot"] = {"ours": rows, "raw_checkpoint_memory": raw}
 
+    # 5 ------------------------------------------------------------------
+    def bench_proxy(self) -> None:
+        """Requests/s and latency to one in-sandbox HTTP server: direct to the sandbox's slot address,
+        through agentenv's proxy (header routing on the server's one listener), and through nginx
+        set up as the same kind of reverse proxy (one worker, upstream keep-alive, no buffering)."""
+        if not (shutil.which("wrk") and shutil.which("nginx")):
+            raise RuntimeError("the proxy benchmark needs wrk and nginx: apt-get install wrk nginx-light")
+        seconds = 5 if self.quick else 10
+        sbx = self.create()
+        nginx = None
+        ngx_dir = BENCH_DIR / "nginx"
+        try:
+            sbx.files.write("/tmp/bench_app.py", PROXY_APP)
+            sbx.commands.run("setsid nohup python3 /tmp/bench_app.py >/tmp/bench_app.log 2>&1 </dev/null &")
+            slot = self.raw.run(self.raw.net.discover()).get(sbx.sandbox_id)
+            if slot is None:
+                raise RuntimeError(f"no network slot found for {sbx.sandbox_id}")
+            upstream = f"{slot.host_ip}:{PROXY_APP_PORT}"
+            route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(PROXY_APP_PORT)}
+            import requests
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if requests.get(f"{self.srv.url}/", headers=route, timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the benchmark app in the sandbox did not answer")
+                time.sleep(0.2)
+            shutil.rmtree(ngx_dir, ignore_errors=True)
+            ngx_dir.mkdir(parents=True)
+            ngx_port = free_port()
+            (ngx_dir / "nginx.conf").write_text(NGINX_CONF.format(dir=ngx_dir, upstream=upstream, port=ngx_port))
+            nginx = subprocess.Popen(["nginx", "-c", str(ngx_dir / "nginx.conf"), "-p", str(ngx_dir),
+                                      "-e", str(ngx_dir / "error.log")],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    if requests.get(f"http://127.0.0.1:{ngx_port}/", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if nginx.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"nginx did not start: {nginx.stderr.read().decode()[-500:] if nginx.stderr else ''}")
+                time.sleep(0.1)
+            targets = [("direct", f"http://{upstream}/", {}),
+                       ("agentenv", f"{self.srv.url}/", route),
+                       ("nginx", f"http://127.0.0.1:{ngx_port}/", route)]
+            out: dict = {"upstream": "python asyncio keep-alive server in the sandbox", "runs": {}}
+            for conns in (1, 32):
+                for name, url, headers in targets:
+                    wrk(url, connections=conns, seconds=2, headers=headers)  # warm-up (pools, JIT-less caches)
+                    r = wrk(url, connections=conns, seconds=seconds, headers=headers)
+                    log(f"proxy: {name:8s} c={conns:2d}: {r['rps']} req/s, p50 {r['p50'] * 1000:.2f} ms, "
+                        f"p99 {r['p99'] * 1000:.2f} ms, "
+                        f"non-2xx {r['non_2xx']}, socket errors {r['socket_errors']}")
+                    out["runs"].setdefault(str(conns), {})[name] = r
+            self.results["proxy"] = out
+        finally:
+            if nginx is not None:
+                nginx.terminate()
+                try:
+                    nginx.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    nginx.kill()
+                    nginx.wait(timeout=10)
+            shutil.rmtree(ngx_dir, ignore_errors=True)
+            _kill(sbx)
+
     def run_all(self, only: set[str]) -> None:
         steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
                  ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot),
-                 ("firecracker", self.bench_firecracker)]
+                 ("firecracker", self.bench_firecracker), ("proxy", self.bench_proxy)]
         for name, fn in steps:
             if only and name not in only:
                 continue
@@ -852,6 +997,17 @@ def report(res: dict) -> str:
         for r in sn["raw_checkpoint_memory"]:
             L.append(f"| {r['MiB']} MiB | {s_(r['checkpoint'])} | {mb(r['size_bytes'])} |")
         L.append("")
+    px = res.get("proxy")
+    if px:
+        L += ["### 5. Data-plane proxy (wrk, GET of 23 bytes, keep-alive)", "",
+              "| connections | path | requests/s | p50 | p99 | non-2xx / socket errors |", "|---|---|---|---|---|---|"]
+        labels = {"direct": "direct to the sandbox (slot address)", "agentenv": "**agentenv proxy** (header routing)",
+                  "nginx": "nginx reverse proxy (1 worker, upstream keep-alive)"}
+        for conns, runs in px["runs"].items():
+            for name, r in runs.items():
+                L.append(f"| {conns} | {labels[name]} | {r['rps']:.0f} | {r['p50'] * 1000:.2f} ms | "
+                         f"{r['p99'] * 1000:.2f} ms | {r['non_2xx']} / {r['socket_errors']} |")
+        L.append("")
     if res.get("errors"):
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
     if "firecracker" in res:
@@ -866,7 +1022,7 @@ def report(res: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
-    ap.add_argument("--only", default="", help="comma list of: create,exec,files,pause,fork,snapshot,firecracker")
+    ap.add_argument("--only", default="", help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,proxy")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)
