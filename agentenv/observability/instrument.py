@@ -112,6 +112,22 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
             emit("resumed", sandbox_id, team_id=rec.team_id, durationS=round(time.monotonic() - t0, 4))
         return rec, resumed
 
+    @timed("resume_on_traffic")
+    async def _wake(original, sandbox_id, *args, **kwargs):
+        """Wake on traffic (proxy -> auto-resume): one `resumed` event per actual resume."""
+        rec = orch._records.get(sandbox_id)
+        t0 = time.monotonic()
+        try:
+            woke = await original(sandbox_id, *args, **kwargs)
+        except BaseException as e:
+            fail("resume", e, sandbox_id, rec.team_id if rec else None)
+            raise
+        if woke:
+            m.observe_op("resume", time.monotonic() - t0)
+            emit("resumed", sandbox_id, team_id=rec.team_id if rec else None, reason="traffic",
+                 durationS=round(time.monotonic() - t0, 4))
+        return woke
+
     @timed("fork_sandbox")
     async def _fork(original, sandbox_id, *args, **kwargs):
         src = orch._records.get(sandbox_id)

@@ -1038,17 +1038,20 @@ class Orchestrator:
         """
         task = self._waking.get(sandbox_id)
         if task is None:
-            task = asyncio.create_task(self._wake_once(sandbox_id), name=f"wake-{sandbox_id}")
+            task = asyncio.create_task(self.resume_on_traffic(sandbox_id), name=f"wake-{sandbox_id}")
             self._waking[sandbox_id] = task
             task.add_done_callback(lambda t: self._waking.pop(sandbox_id, None) if self._waking.get(
                 sandbox_id) is t else None)
         await asyncio.shield(task)
 
-    async def _wake_once(self, sandbox_id: str) -> None:
+    async def resume_on_traffic(self, sandbox_id: str) -> bool:
+        """The one resume behind a wake (run by `wake_sandbox`); False if there was nothing to do.
+
+        Public so observability can wrap it (a `resumed` event with reason `traffic`)."""
         async with self.lifecycle.lock(sandbox_id):
             rec = self._records.get(sandbox_id)
             if rec is None or not self._wakeable(rec):
-                return  # resumed, killed or changed meanwhile by someone else
+                return False  # resumed, killed or changed meanwhile by someone else
             # The sandbox gets the same time to live as its last run had (its create/connect
             # timeout plus any extension), so an auto-pause sandbox keeps its rhythm.
             ran = int((rec.end_at - rec.started_at).total_seconds())
@@ -1056,6 +1059,7 @@ class Orchestrator:
             t0 = time.monotonic()
             await self._resume_locked(rec, timeout)
             log.info("woke sandbox %s on traffic in %.3fs (auto-resume)", sandbox_id, time.monotonic() - t0)
+            return True
 
     def running_routes(self) -> Iterable[Route]:
         for sid, rec in self._records.items():

@@ -86,6 +86,14 @@ def log_count(server, pattern_: str) -> int:
     return len(re.findall(pattern_, server.log_path.read_text(errors="replace")))
 
 
+def lifecycle_events(server, sandbox_id: str, type_: str) -> list[dict]:
+    """The sandbox's lifecycle events of one type, from the server's public event stream."""
+    r = requests.get(f"{server.api_url}/events", params={"sandboxID": sandbox_id, "limit": 5000},
+                     headers={"X-API-Key": server.api_key}, timeout=30)
+    assert r.status_code == 200, r.text
+    return [e for e in r.json()["events"] if e["type"] == type_]
+
+
 def rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -369,6 +377,7 @@ async def test_wake_on_traffic_20_concurrent_requests_one_resume(server) -> None
         sid = sbx.sandbox_id
         woke0 = log_count(server, rf"woke sandbox {sid} on traffic")
         resumed0 = log_count(server, rf"resumed sandbox {sid}\b")
+        assert lifecycle_events(server, sid, "resumed") == []
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as client:
             async def one(i: int) -> tuple[int, dict]:
@@ -383,6 +392,8 @@ async def test_wake_on_traffic_20_concurrent_requests_one_resume(server) -> None
         assert sorted(body["count"] for _, body in results) == list(range(before["count"] + 1, before["count"] + 21))
         assert log_count(server, rf"woke sandbox {sid} on traffic") - woke0 == 1
         assert log_count(server, rf"resumed sandbox {sid}\b") - resumed0 == 1
+        resumed = lifecycle_events(server, sid, "resumed")
+        assert len(resumed) == 1 and resumed[0]["reason"] == "traffic", resumed
         assert sbx.get_info().state.value == "running"
     finally:
         kill_quietly(sbx)
