@@ -178,23 +178,35 @@ def image() -> None:
 
 @image.command("build")
 @click.option("--data-dir", default=None)
-def image_build(data_dir: str | None) -> None:
-    """Build (or verify the cache of) the base image and the tools layer."""
+@click.option("--vm/--no-vm", default=None,
+              help="Also build the microVM guest image (kernel, initramfs, drives); default: when the "
+                   "configured runtime is a VM runtime.")
+def image_build(data_dir: str | None, vm: bool | None) -> None:
+    """Build (or verify the cache of) the base image and the tools layer (+ the VM guest image)."""
     from agentenv.storage.images import ImageStore
 
     _require_root()
     settings = _settings(data_dir)
     store = ImageStore(settings)
+    if vm is None:
+        vm = settings.runtime in ("qemu", "firecracker")
 
-    async def go() -> tuple[Path, Path]:
+    async def go() -> tuple[Path, Path, dict]:
         with _progress() as cb:
             base = await store.ensure_base(cb)
             tools = await store.ensure_tools(cb)
-        return base, tools
+            guest_parts: dict = {}
+            if vm:
+                from agentenv.storage.guest import build_guest_image
 
-    base, tools = asyncio.run(go())
+                guest_parts = await build_guest_image(store.images_dir, base, tools, settings.default_disk_mb, cb)
+        return base, tools, guest_parts
+
+    base, tools, guest_parts = asyncio.run(go())
     click.echo(f"base image:  {base}")
     click.echo(f"tools layer: {tools}")
+    for name, p in guest_parts.items():
+        click.echo(f"guest {name + ':':8} {p}")
 
 
 @image.command("list")

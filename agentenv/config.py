@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     firecracker_path: str | None = None
     runsc_path: str = "runsc"
     runsc_platform: str = "ptrace"
+    # QEMU runtime: binary, machine type (microvm, or q35 where microvm misbehaves) and accelerator
+    # ("auto" = KVM on hardware virtualization, TCG otherwise; never PVM, which cannot run the guest).
+    qemu_path: str = "qemu-system-x86_64"
+    qemu_machine: str = Field(default="microvm", pattern=r"^(microvm|q35|pc)$")
+    qemu_accel: str = Field(default="auto", pattern=r"^(auto|kvm|tcg)$")
     debian_mirror: str = "http://deb.debian.org/debian"
     debian_suite: str = "bookworm"
 

@@ -429,7 +429,8 @@ class Orchestrator:
             spec.bundle_dir.mkdir(parents=True, exist_ok=True)
             await self.runtime.start(spec)
             await self.network.activate(slot)
-            await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(sid))
+            await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(sid),
+                                           timeout=getattr(self.runtime, "envd_timeout", 60.0))
             await self._drain_connections(rec)
             await self.runtime.checkpoint(sid, image)
             await self.rootfs.unmount(sid)
@@ -472,7 +473,7 @@ class Orchestrator:
             sandbox_id=rec.sandbox_id, rootfs=rootfs, tools_dir=tools, slot=slot,
             bundle_dir=self.paths.sandbox_dir(rec.sandbox_id) / "bundle",
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
-            args=list(self.images.envd_argv()), env=env)
+            args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self._lowers(rec))
 
     async def _spawn(self, rec: SandboxRecord, *, restore_from: Path | None = None,
                      restore_token: str | None = None) -> None:
@@ -527,7 +528,8 @@ class Orchestrator:
         else:
             await self.runtime.restore(spec, restore_from)
         await self.network.activate(slot)
-        await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(rec.sandbox_id))
+        await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(rec.sandbox_id),
+                                       timeout=getattr(self.runtime, "envd_timeout", 60.0))
         await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self._sandbox_env(rec),
                                host_token=self._host_token, current_token=restore_token,
                                default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
@@ -593,8 +595,8 @@ class Orchestrator:
         gets a short grace. Otherwise refuse with a 409 — the sandbox keeps running untouched.
         """
         slot = self._slots.get(rec.sandbox_id)
-        if slot is None:
-            return
+        if slot is None or getattr(self.runtime, "keeps_tcp_across_checkpoint", False):
+            return  # (a VM's checkpoint saves its TCP connections with the rest of the guest kernel)
         start = time.monotonic()
         deadline = start + (self.settings.capture_drain_s if budget is None else budget)
         delay = 0.05

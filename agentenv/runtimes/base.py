@@ -54,6 +54,10 @@ class SandboxSpec:
     args: list[str] = field(default_factory=list)      # argv of the sandbox's first process (envd)
     pids_limit: int = 4096                              # cgroup pids limit for the whole sandbox
     vm: VmBoot | None = None                            # guest to boot (microVM runtimes only)
+    disk_mb: int = 4096                                 # room of the sandbox's disk (VM runtimes)
+    # What `rootfs` is made of, top first (layers, then the base image): VM runtimes build their
+    # read-only root drive from it once and key the drive by it.
+    lowers: list[Path] = field(default_factory=list)
 
 
 class Runtime(Protocol):

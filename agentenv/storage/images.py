@@ -46,7 +46,7 @@ NAMESERVERS = ["8.8.8.8", "1.1.1.1"]
 
 DEBOOTSTRAP_TIMEOUT = 30 * 60
 CHROOT_TIMEOUT = 120
-_RESERVED = {"tools"}
+_RESERVED = {"tools", "vm"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 

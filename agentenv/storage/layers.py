@@ -19,7 +19,8 @@ from pathlib import Path
 
 from agentenv.errors import RuntimeFailure
 
-_TAR_CREATE = ["tar", "--create", "--sort=name", "--numeric-owner", "--xattrs", "--xattrs-include=*",
+# --sparse: a VM checkpoint's RAM file is mostly holes (only touched pages are allocated).
+_TAR_CREATE = ["tar", "--create", "--sparse", "--sort=name", "--numeric-owner", "--xattrs", "--xattrs-include=*",
                "--acls", "--format=posix", "--pax-option=delete=atime,delete=ctime", "-C"]
 _TAR_EXTRACT = ["tar", "--extract", "--numeric-owner", "--same-owner", "--same-permissions", "--xattrs",
                 "--xattrs-include=*", "--acls", "-C"]

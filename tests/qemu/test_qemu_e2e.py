@@ -1,0 +1,117 @@
+"""The E2B SDK flow against the QEMU runtime: a real Linux guest (Debian cloud kernel) under TCG.
+
+create -> commands -> files -> pause/resume (memory kept) -> fork of 4 (each child continues from
+the captured state, isolated from its siblings) -> kill; and no process, netns or mount left.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from e2b import Sandbox
+
+GUEST_KERNEL_PREFIX = "6.1."  # Debian bookworm's cloud kernel, not the host's
+REQ = 300  # request timeout (s): a cold TCG boot plus a busy host
+
+
+def _kill(s: Sandbox) -> None:
+    try:
+        s.kill()
+    except Exception:
+        pass
+
+
+@pytest.fixture(scope="module")
+def vm(qemu_server) -> Sandbox:
+    t0 = time.monotonic()
+    sbx = Sandbox.create(timeout=1800, request_timeout=REQ, **qemu_server.sdk_opts())
+    print(f"create: {time.monotonic() - t0:.1f}s")
+    yield sbx
+    _kill(sbx)
+
+
+@pytest.mark.timeout(600)
+def test_guest_is_a_vm_with_its_own_kernel(vm, qemu_server):
+    r = vm.commands.run("uname -r; cat /proc/1/comm; id -un; pwd", timeout=120, request_timeout=REQ)
+    kernel, init, user, cwd = r.stdout.split()
+    assert kernel.startswith(GUEST_KERNEL_PREFIX) and kernel.endswith("-cloud-amd64"), r.stdout
+    assert init.startswith("python"), f"envd should be the guest's PID 1, got {init}"
+    assert (user, cwd) == ("user", "/home/user")
+    info = [s for s in Sandbox.list(**qemu_server.sdk_opts()).next_items() if s.sandbox_id == vm.sandbox_id]
+    assert info, "sandbox not listed"
+
+
+@pytest.mark.timeout(600)
+def test_commands_and_files(vm):
+    vm.files.write("/home/user/hello.txt", "hello from the host\n", request_timeout=REQ)
+    assert vm.files.read("/home/user/hello.txt", request_timeout=REQ) == "hello from the host\n"
+    h = vm.commands.run("echo out; echo err >&2", timeout=120, request_timeout=REQ)
+    assert (h.stdout, h.stderr, h.exit_code) == ("out\n", "err\n", 0)
+    with pytest.raises(Exception) as ei:
+        vm.commands.run("exit 3", timeout=120, request_timeout=REQ)
+    assert getattr(ei.value, "exit_code", None) == 3
+    names = {e.name for e in vm.files.list("/home/user", request_timeout=REQ)}
+    assert "hello.txt" in names
+    bg = vm.commands.run("sleep 1; echo done > /home/user/bg.txt", background=True, request_timeout=REQ)
+    assert bg.wait().exit_code == 0
+    assert vm.files.read("/home/user/bg.txt", request_timeout=REQ) == "done\n"
+
+
+@pytest.mark.timeout(900)
+def test_pause_resume_keeps_processes_and_files(vm, qemu_server):
+    vm.commands.run("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
+                    ">/dev/null 2>&1 &", timeout=60, request_timeout=REQ)
+    time.sleep(2)
+    pid = vm.commands.run("pgrep -f 'while true' | head -1", timeout=60, request_timeout=REQ).stdout.strip()
+    vm.files.write("/home/user/before-pause.txt", "kept", request_timeout=REQ)
+    before = int(vm.files.read("/tmp/counter", request_timeout=REQ))
+    t0 = time.monotonic()
+    assert vm.pause(request_timeout=REQ) is True
+    t_pause = time.monotonic() - t0
+    t0 = time.monotonic()
+    again = Sandbox.connect(vm.sandbox_id, timeout=1800, request_timeout=REQ, **qemu_server.sdk_opts())
+    t_resume = time.monotonic() - t0
+    print(f"pause {t_pause:.2f}s, resume {t_resume:.2f}s")
+    assert again.files.read("/home/user/before-pause.txt", request_timeout=REQ) == "kept"
+    assert again.commands.run("pgrep -f 'while true' | head -1", timeout=60,
+                              request_timeout=REQ).stdout.strip() == pid, "process did not survive pause/resume"
+    time.sleep(1.5)
+    assert int(again.files.read("/tmp/counter", request_timeout=REQ)) > before
+
+
+@pytest.mark.timeout(1200)
+def test_fork_of_4_children_continue_from_the_capture(vm, qemu_server):
+    vm.files.write("/home/user/shared.txt", "before the fork", request_timeout=REQ)
+    vm.commands.run("python3 -c \"import os; open('/dev/shm/mem','w').write(os.urandom(8).hex())\"",
+                    timeout=120, request_timeout=REQ)
+    token = vm.files.read("/dev/shm/mem", request_timeout=REQ)  # lives only in guest RAM (tmpfs)
+    t0 = time.monotonic()
+    results = vm.fork(count=4, timeout=1800, request_timeout=900)
+    print(f"fork(4): {time.monotonic() - t0:.1f}s")
+    children = [r for r in results if isinstance(r, Sandbox)]
+    try:
+        assert len(children) == 4, f"fork results: {results}\n{qemu_server.log_tail(40)}"
+        ids = {c.sandbox_id for c in children}
+        assert len(ids) == 4 and vm.sandbox_id not in ids
+
+        def check(c: Sandbox) -> str:
+            assert c.files.read("/dev/shm/mem", request_timeout=REQ) == token
+            assert c.files.read("/home/user/shared.txt", request_timeout=REQ) == "before the fork"
+            c.files.write(f"/home/user/child-{c.sandbox_id}.txt", "mine", request_timeout=REQ)
+            return c.commands.run("uname -r", timeout=120, request_timeout=REQ).stdout.strip()
+
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            kernels = list(pool.map(check, children))
+        assert all(k.startswith(GUEST_KERNEL_PREFIX) for k in kernels)
+        for c in children:
+            names = {e.name for e in c.files.list("/home/user", request_timeout=REQ)}
+            assert f"child-{c.sandbox_id}.txt" in names
+            assert not any(n.startswith("child-") and n != f"child-{c.sandbox_id}.txt" for n in names)
+        src_names = {e.name for e in vm.files.list("/home/user", request_timeout=REQ)}
+        assert not any(n.startswith("child-") for n in src_names), "a child's write leaked into the source"
+        assert vm.files.read("/dev/shm/mem", request_timeout=REQ) == token, "source lost its memory"
+    finally:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(_kill, children))
