@@ -66,6 +66,9 @@ apt_install() {
 # --- system packages ---------------------------------------------------------
 # gcc + libc6-dev build the tools layer's gVisor compat shim (agentenv/storage/compat).
 SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-certificates gcc libc6-dev)
+# The QEMU microVM runtime: the VMM, qcow2 tools, and what builds the guest image (mkfs.ext4 -d,
+# lz4 to unpack the kernel; the kernel and busybox-static themselves come via `apt-get download`).
+SYSTEM_PKGS+=(qemu-system-x86 qemu-utils e2fsprogs lz4)
 # runsc: the Debian/Ubuntu package, unless a runsc binary is already installed
 # (e.g. from gVisor's releases on production hosts).
 if ! command -v runsc >/dev/null 2>&1; then

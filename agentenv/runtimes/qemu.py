@@ -291,13 +291,17 @@ class QemuRuntime:
                            str(b / DISK_FILE)], timeout=CMD_TIMEOUT, what="qemu-img rebase")
             spec.memory_mb, spec.cpu_count = meta["memory_mb"], meta["cpu_count"]  # must match the image
             if (image_dir / RAM_FILE).exists():
-                ram, share = image_dir / RAM_FILE, False  # copy-on-write view of the checkpoint's RAM
+                ram = image_dir / RAM_FILE  # copy-on-write view of the checkpoint's RAM
             else:
-                ram, share = b / RAM_FILE, True  # full image: the stream fills a RAM file of our own
+                # A full image: the stream carries the RAM. It must land in private memory (with
+                # x-ignore-shared, a shared RAM block would be skipped on load), so this VM too
+                # will write its RAM into its next checkpoint.
+                ram = b / RAM_FILE
                 ram.unlink(missing_ok=True)
                 with open(ram, "wb") as f:
                     f.truncate(spec.memory_mb << 20)
-            meta = {**meta, "owns_ram": share}
+            share = False
+            meta = {**meta, "owns_ram": False}
             (b / META_FILE).write_text(json.dumps(meta, indent=1))
             await self._setup_netns(spec)
             await self._launch(spec, meta, ram, share=share, incoming=True)

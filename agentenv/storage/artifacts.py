@@ -65,16 +65,16 @@ class ArtifactCache:
 
     async def seal_memory(self, image_dir: Path) -> str:
         """Turn a checkpoint image dir into a memory artifact; returns its digest."""
-        return await self._seal("memory", image_dir, self.memory_dir)
+        return await self._seal("memory", image_dir, self.memory_dir, sparse=True)
 
-    async def _seal(self, kind: str, src: Path, dir_of) -> str:
+    async def _seal(self, kind: str, src: Path, dir_of, sparse: bool = False) -> str:
         """Tar + hash `src` into the local blob cache, then move `src` to its extracted place."""
         tmp_dir = self.root / "cache" / ".tmp"
         tmp_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
         os.close(fd)
         try:
-            digest, _size = await layer_tar.pack(src, Path(tmp))
+            digest, _size = await layer_tar.pack(src, Path(tmp), sparse=sparse)
             async with self._locks[digest]:
                 await self.local.put_blob(kind, digest, Path(tmp))
                 dst = dir_of(digest)

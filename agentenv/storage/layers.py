@@ -19,18 +19,21 @@ from pathlib import Path
 
 from agentenv.errors import RuntimeFailure
 
-# --sparse: a VM checkpoint's RAM file is mostly holes (only touched pages are allocated).
-_TAR_CREATE = ["tar", "--create", "--sparse", "--sort=name", "--numeric-owner", "--xattrs", "--xattrs-include=*",
+_TAR_CREATE = ["tar", "--create", "--sort=name", "--numeric-owner", "--xattrs", "--xattrs-include=*",
                "--acls", "--format=posix", "--pax-option=delete=atime,delete=ctime", "-C"]
 _TAR_EXTRACT = ["tar", "--extract", "--numeric-owner", "--same-owner", "--same-permissions", "--xattrs",
                 "--xattrs-include=*", "--acls", "-C"]
 
 
-async def pack(src_dir: Path, out_file: Path) -> tuple[str, int]:
-    """Tar `src_dir` into `out_file`, hashing while writing. Returns (sha256 hex, size)."""
+async def pack(src_dir: Path, out_file: Path, *, sparse: bool = False) -> tuple[str, int]:
+    """Tar `src_dir` into `out_file`, hashing while writing. Returns (sha256 hex, size).
+
+    `sparse`: store holes as holes (a VM checkpoint's RAM file is mostly holes).
+    """
     out_file.parent.mkdir(parents=True, exist_ok=True)
+    argv = [*_TAR_CREATE[:2], "--sparse", *_TAR_CREATE[2:]] if sparse else _TAR_CREATE
     proc = await asyncio.create_subprocess_exec(
-        *_TAR_CREATE, str(src_dir), ".", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        *argv, str(src_dir), ".", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     h = hashlib.sha256()
     size = 0
     assert proc.stdout is not None

@@ -34,10 +34,10 @@ def vm(qemu_server) -> Sandbox:
 
 @pytest.mark.timeout(600)
 def test_guest_is_a_vm_with_its_own_kernel(vm, qemu_server):
-    r = vm.commands.run("uname -r; cat /proc/1/comm; id -un; pwd", timeout=120, request_timeout=REQ)
-    kernel, init, user, cwd = r.stdout.split()
+    r = vm.commands.run("uname -r; id -un; pwd; tr '\\0' ' ' < /proc/1/cmdline", timeout=120, request_timeout=REQ)
+    kernel, user, cwd, init = r.stdout.split("\n", 3)
     assert kernel.startswith(GUEST_KERNEL_PREFIX) and kernel.endswith("-cloud-amd64"), r.stdout
-    assert init.startswith("python"), f"envd should be the guest's PID 1, got {init}"
+    assert "agentenv.envd" in init, f"envd should be the guest's PID 1, got {init}"
     assert (user, cwd) == ("user", "/home/user")
     info = [s for s in Sandbox.list(**qemu_server.sdk_opts()).next_items() if s.sandbox_id == vm.sandbox_id]
     assert info, "sandbox not listed"
