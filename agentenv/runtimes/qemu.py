@@ -120,7 +120,7 @@ class QemuRuntime:
         self.machine = settings.qemu_machine
         self.images = guest.GuestImages(self.paths.images)
         if settings.qemu_accel == "auto":
-            ok, why = kvm_usable()
+            ok, why = kvm_usable()  # same rule as select.detect_virt: vmx/svm and a usable /dev/kvm
             self.accel = "kvm" if ok else "tcg"
             log.info("qemu runtime: accelerator %s (%s)", self.accel, why)
         else:
@@ -421,3 +421,42 @@ def _tail(path: Path, limit: int = 1500) -> str:
         return path.read_text(errors="replace")[-limit:].strip()
     except OSError:
         return "(no log)"
+
+
+# ---------------------------------------------------------------- registration (agentenv.runtimes.select)
+
+
+async def _probe(settings: Settings, virt) -> "Any":
+    """Available when the QEMU binary runs; KVM-backed (a real VM at near-native speed) only on
+    hardware virtualization, else emulated (TCG: real Linux guest, slow; ranked below gVisor)."""
+    from agentenv.runtimes import select
+
+    binary = shutil.which(settings.qemu_path)
+    if binary is None or shutil.which("qemu-img") is None:
+        return select.Probe("qemu", False, select.STRENGTH_EMULATED_VM, "qemu-system-x86_64 / qemu-img not found",
+                            "emulated VM", "apt-get install qemu-system-x86 qemu-utils")
+    res = await run_cmd([binary, "-accel", "help"], timeout=CMD_TIMEOUT, check=False, what="qemu -accel help")
+    if res.returncode != 0:
+        return select.Probe("qemu", False, select.STRENGTH_EMULATED_VM, f"{binary} does not run: {res.stderr[-300:]}",
+                            "emulated VM")
+    accels = res.stdout.split()
+    use_kvm = settings.qemu_accel == "kvm" or (settings.qemu_accel == "auto" and virt.hardware and virt.kvm_device)
+    extra = {"binary": binary, "accelerators": accels, "machine": settings.qemu_machine}
+    if use_kvm:
+        if "kvm" not in accels:
+            return select.Probe("qemu", False, select.STRENGTH_KVM_VM, f"{binary} was built without KVM", "hardware VM")
+        return select.Probe("qemu", True, select.STRENGTH_KVM_VM, f"{binary} with KVM ({virt.detail})",
+                            "hardware VM", None, {**extra, "accel": "kvm"})
+    why = (f"{binary} under TCG emulation (no KVM for it: {virt.detail}); a real Linux guest, "
+           "slow (cold boot 15-40 s here, restore ~1.5 s)")
+    return select.Probe("qemu", "tcg" in accels, select.STRENGTH_EMULATED_VM, why, "emulated VM", None,
+                        {**extra, "accel": "tcg"})
+
+
+def _register() -> None:
+    from agentenv.runtimes import select
+
+    select.register("qemu", QemuRuntime, _probe, vm=True)
+
+
+_register()
