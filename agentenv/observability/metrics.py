@@ -18,9 +18,12 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.process_collector import ProcessCollector
+
+# No `<name>_created` timestamp series: they double the exposition and Prometheus ignores them.
+disable_created_metrics()
 
 # Lifecycle operations timed by `agentenv_sandbox_operation_duration_seconds`.
 OPERATIONS = ("create", "restore", "pause", "resume", "snapshot", "fork", "kill")
@@ -55,6 +58,10 @@ class Metrics:
             "agentenv_fork_children_total", "Fork children started, by result.", ["result"], registry=r)
         for op in OPERATIONS:  # every series exists from the first scrape (rate() needs a zero)
             self.op_duration.labels(op)
+        for t in ("created", "forked", "paused", "resumed", "snapshotted", "killed", "expired", "failed"):
+            self.events.labels(t)
+        for result in ("ok", "error"):
+            self.fork_children.labels(result)
         self.snapshot_transfer_bytes = Counter(
             "agentenv_snapshot_store_transfer_bytes_total",
             "Bytes of snapshot blobs sent to (upload) or fetched from (download) the snapshot store; "
