@@ -41,6 +41,8 @@ RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO / "benchmarks"))
 # Steps that need neither the agentenv server nor the raw runsc baseline.
 SERVERLESS_STEPS = {"firecracker"}
+# Steps that need the server but no raw runsc baseline.
+RAWLESS_STEPS = {"metrics"}
 AGENTENV = str(Path(sys.prefix) / "bin" / "agentenv")
 RAW_PORT = 49983
 MiB = 1024 * 1024
@@ -826,7 +828,7 @@ class Bench:
     def run_all(self, only: set[str]) -> None:
         steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
                  ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot),
-                 ("firecracker", self.bench_firecracker), ("proxy", self.bench_proxy)]
+                 ("firecracker", self.bench_firecracker), ("proxy", self.bench_proxy), ("metrics", self.bench_metrics)]
         for name, fn in steps:
             if only and name not in only:
                 continue
@@ -851,6 +853,70 @@ class Bench:
                         break  # a real failure, not the server disappearing under us: do not retry
                     log(f"{name}: the server is gone (killed from outside?); restarting it and retrying")
             self.results.setdefault("durations_s", {})[name] = round(time.monotonic() - t0, 1)
+
+    # 6 ------------------------------------------------------------------
+    def bench_metrics(self) -> None:
+        """Cost of scraping /metrics and /sandboxes/metrics with 0 and 100 sandboxes (docs/observability.md)."""
+        import requests
+        from prometheus_client.parser import text_string_to_metric_families
+
+        n_sbx, reps = 100, 30 if self.quick else 100
+        sess = requests.Session()
+        hdr = {"X-API-KEY": self.srv.key}
+
+        def scrape(path: str, key: bool) -> tuple[list[float], list[float], int, list[float]]:
+            wall, render, sampler = [], [], []
+            size = 0
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                r = sess.get(self.srv.url + path, headers=hdr if key else {}, timeout=60)
+                wall.append(time.perf_counter() - t0)
+                r.raise_for_status()
+                size = len(r.content)
+                if "X-Render-Seconds" in r.headers:
+                    render.append(float(r.headers["X-Render-Seconds"]))
+                if path == "/metrics":
+                    for fam in text_string_to_metric_families(r.text):
+                        if fam.name == "agentenv_resource_sampler_duration_seconds":
+                            sampler.append(fam.samples[0].value)
+            return wall, render, size, sampler
+
+        def cpu_s() -> float:
+            for fam in text_string_to_metric_families(sess.get(self.srv.url + "/metrics", timeout=60).text):
+                if fam.name == "process_cpu_seconds":
+                    return fam.samples[0].value
+            return float("nan")
+
+        def measure(label: str, ids: list[str]) -> dict:
+            time.sleep(5)  # a few sampler passes over the current set
+            c0, t0 = cpu_s(), time.monotonic()
+            time.sleep(20)  # idle server: what the sampler + housekeeping cost per second
+            idle_cpu = (cpu_s() - c0) / (time.monotonic() - t0)
+            m_wall, m_render, m_size, sampler = scrape("/metrics", key=False)
+            a_wall, _, a_size, _ = scrape("/sandboxes/metrics", key=True)
+            one = scrape(f"/sandboxes/{ids[0]}/metrics", key=True) if ids else None
+            out = {"sandboxes": len(ids), "metrics": {**stats(m_wall), "bytes": m_size},
+                   "metrics_render": stats(m_render), "all_sandbox_metrics": {**stats(a_wall), "bytes": a_size},
+                   "one_sandbox_series": ({**stats(one[0]), "bytes": one[2]} if one else None),
+                   "sampler_pass": stats(sampler), "server_cpu_idle_cores": idle_cpu}
+            log(f"metrics with {len(ids)} sandboxes: /metrics p50 {out['metrics']['p50'] * 1000:.1f} ms "
+                f"({m_size} B), /sandboxes/metrics p50 {out['all_sandbox_metrics']['p50'] * 1000:.1f} ms "
+                f"({a_size} B), sampler pass p50 {out['sampler_pass']['p50'] * 1000:.1f} ms, "
+                f"server idle CPU {idle_cpu:.3f} cores")
+            return out
+
+        res = {"empty": measure("empty", [])}
+        made: list = []
+        log(f"metrics: creating {n_sbx} sandboxes")
+        t0 = time.monotonic()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                made = [s for s in pool.map(lambda _: self.create(), range(n_sbx))]
+            log(f"metrics: {len(made)} sandboxes up in {time.monotonic() - t0:.0f}s")
+            res["full"] = measure("full", [s.sandbox_id for s in made])
+        finally:
+            list(self.pool.map(_kill, made))
+        self.results["metrics"] = res
 
     def bench_firecracker(self) -> None:
         """Firecracker snapshot load through our runtime vs the bare VMM (benchmarks/firecracker_bench.py)."""
@@ -1010,6 +1076,27 @@ def report(res: dict) -> str:
         L.append("")
     if res.get("errors"):
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
+    mt = res.get("metrics")
+    if mt:
+        def ms(x) -> str:  # noqa: F811 - sub-millisecond resolution for this table
+            return "–" if x is None else f"{x * 1000:.1f} ms"
+
+        L += ["### 6. Scraping cost (observability)", "",
+              "| sandboxes | `GET /metrics` p50 / p95 (bytes) | of which server render p50 | "
+              "`GET /sandboxes/metrics` p50 / p95 (bytes) | one sandbox's series p50 | sampler pass p50 / max | "
+              "server CPU when idle |", "|---|---|---|---|---|---|---|"]
+        for k in ("empty", "full"):
+            r = mt.get(k)
+            if not r:
+                continue
+            one = r["one_sandbox_series"]
+            L.append(f"| {r['sandboxes']} | {ms(r['metrics']['p50'])} / {ms(r['metrics']['p95'])} "
+                     f"({r['metrics']['bytes']}) | {ms(r['metrics_render']['p50'])} | "
+                     f"{ms(r['all_sandbox_metrics']['p50'])} / {ms(r['all_sandbox_metrics']['p95'])} "
+                     f"({r['all_sandbox_metrics']['bytes']}) | {ms(one['p50']) if one else '–'} | "
+                     f"{ms(r['sampler_pass']['p50'])} / {ms(r['sampler_pass']['max'])} | "
+                     f"{r['server_cpu_idle_cores']:.3f} cores |")
+        L.append("")
     if "firecracker" in res:
         import firecracker_bench
 
@@ -1022,7 +1109,8 @@ def report(res: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
-    ap.add_argument("--only", default="", help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,proxy")
+    ap.add_argument("--only", default="",
+                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,proxy,metrics")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)
@@ -1041,8 +1129,9 @@ def main() -> int:
         else:
             srv.prepare()
             srv.start()
-            raw = Raw(BENCH_DIR)
-            raw.run(raw.setup())
+            if not (only and only <= SERVERLESS_STEPS | RAWLESS_STEPS):
+                raw = Raw(BENCH_DIR)
+                raw.run(raw.setup())
             b = Bench(args.quick, srv, raw)
         b.run_all(only)
         res.update(b.results)
