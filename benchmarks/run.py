@@ -114,6 +114,25 @@ http {{
 """
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU the processes have used so far (all their threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def wrk(url: str, *, connections: int, seconds: int, headers: dict[str, str] | None = None) -> dict:
     """One `wrk --latency` run: requests/s, p50/p99 latency (s), errors."""
     argv = ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s"]
@@ -801,16 +820,21 @@ class Bench:
                 if nginx.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"nginx did not start: {nginx.stderr.read().decode()[-500:] if nginx.stderr else ''}")
                 time.sleep(0.1)
-            targets = [("direct", f"http://{upstream}/", {}),
-                       ("agentenv", f"{self.srv.url}/", route),
-                       ("nginx", f"http://127.0.0.1:{ngx_port}/", route)]
+            # CPU the proxy itself burns per request: unlike requests/s, it does not depend on how
+            # much of the shared machine the proxy got during the run.
+            targets = [("direct", f"http://{upstream}/", {}, []),
+                       ("agentenv", f"{self.srv.url}/", route, [self.srv.proc.pid]),
+                       ("nginx", f"http://127.0.0.1:{ngx_port}/", route, [nginx.pid] + child_pids(nginx.pid))]
             out: dict = {"upstream": "python asyncio keep-alive server in the sandbox", "runs": {}}
             for conns in (1, 32):
-                for name, url, headers in targets:
+                for name, url, headers, pids in targets:
                     wrk(url, connections=conns, seconds=2, headers=headers)  # warm-up (pools, JIT-less caches)
+                    cpu0 = cpu_seconds(pids)
                     r = wrk(url, connections=conns, seconds=seconds, headers=headers)
+                    r["proxy_cpu_ms_per_request"] = ((cpu_seconds(pids) - cpu0) * 1000 / r["requests"]
+                                                     if pids and r["requests"] else None)
                     log(f"proxy: {name:8s} c={conns:2d}: {r['rps']} req/s, p50 {r['p50'] * 1000:.2f} ms, "
-                        f"p99 {r['p99'] * 1000:.2f} ms, "
+                        f"p99 {r['p99'] * 1000:.2f} ms, proxy CPU/request {r['proxy_cpu_ms_per_request']} ms, "
                         f"non-2xx {r['non_2xx']}, socket errors {r['socket_errors']}")
                     out["runs"].setdefault(str(conns), {})[name] = r
             self.results["proxy"] = out
@@ -1066,13 +1090,16 @@ def report(res: dict) -> str:
     px = res.get("proxy")
     if px:
         L += ["### 5. Data-plane proxy (wrk, GET of 23 bytes, keep-alive)", "",
-              "| connections | path | requests/s | p50 | p99 | non-2xx / socket errors |", "|---|---|---|---|---|---|"]
+              "| connections | path | requests/s | p50 | p99 | proxy CPU per request | non-2xx / socket errors |",
+              "|---|---|---|---|---|---|---|"]
         labels = {"direct": "direct to the sandbox (slot address)", "agentenv": "**agentenv proxy** (header routing)",
                   "nginx": "nginx reverse proxy (1 worker, upstream keep-alive)"}
         for conns, runs in px["runs"].items():
             for name, r in runs.items():
+                cpu = r.get("proxy_cpu_ms_per_request")
                 L.append(f"| {conns} | {labels[name]} | {r['rps']:.0f} | {r['p50'] * 1000:.2f} ms | "
-                         f"{r['p99'] * 1000:.2f} ms | {r['non_2xx']} / {r['socket_errors']} |")
+                         f"{r['p99'] * 1000:.2f} ms | {'–' if cpu is None else f'{cpu:.3f} ms'} | "
+                         f"{r['non_2xx']} / {r['socket_errors']} |")
         L.append("")
     if res.get("errors"):
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
