@@ -21,6 +21,7 @@ from aiohttp import web
 from e2b.sandbox.signature import get_signature
 
 from agentenv.constants import ENVD_PORT
+from agentenv.errors import Unavailable
 from agentenv.proxy import LISTENER_OPTIONS, SandboxRoute, TrafficProxy
 
 pytestmark = pytest.mark.timeout(60)
@@ -183,6 +184,8 @@ class DictResolver:
         self.routes: dict[str, SandboxRoute] = {}
 
     async def resolve(self, sandbox_id: str) -> SandboxRoute | None:
+        if sandbox_id == "cannotwake":  # what the orchestrator does when an auto-resume fails
+            raise Unavailable("node is at capacity (2 sandboxes); retry later", error_code="capacity_exhausted")
         return self.routes.get(sandbox_id)
 
     def running_routes(self) -> Iterable[SandboxRoute]:
@@ -340,6 +343,14 @@ async def test_path_routing(env: Env, client: aiohttp.ClientSession) -> None:
             assert "/proxy/<sandboxID>/<port>/<path>" in (await r.json())["message"]
     async with client.get(f"{env.url}/proxy/sbxc/{USER_PORT}/whoami") as r:  # private: token needed
         assert r.status == 403
+
+
+async def test_failed_wake_is_503_with_the_reason(env: Env, client: aiohttp.ClientSession) -> None:
+    async with client.get(f"{env.url}/proxy/cannotwake/{USER_PORT}/") as r:
+        assert r.status == 503
+        body = await r.json()
+    assert body["sandboxId"] == "cannotwake" and body["code"] == 503
+    assert body["message"] == "The sandbox could not be resumed: node is at capacity (2 sandboxes); retry later"
 
 
 async def test_port_not_open_is_502(env: Env, client: aiohttp.ClientSession) -> None:
