@@ -40,7 +40,7 @@ TEST_IMAGES = Path(os.environ.get("AGENTENV_BENCH_IMAGES_FROM", "/var/tmp/agente
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO / "benchmarks"))
 # Steps that need neither the agentenv server nor the raw runsc baseline.
-SERVERLESS_STEPS = {"firecracker"}
+SERVERLESS_STEPS = {"firecracker", "qemu"}
 # Steps that need the server but no raw runsc baseline.
 RAWLESS_STEPS = {"metrics"}
 AGENTENV = str(Path(sys.prefix) / "bin" / "agentenv")
@@ -852,7 +852,7 @@ class Bench:
     def run_all(self, only: set[str]) -> None:
         steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
                  ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot),
-                 ("firecracker", self.bench_firecracker), ("proxy", self.bench_proxy), ("metrics", self.bench_metrics)]
+                 ("firecracker", self.bench_firecracker), ("qemu", self.bench_qemu), ("proxy", self.bench_proxy), ("metrics", self.bench_metrics)]
         for name, fn in steps:
             if only and name not in only:
                 continue
@@ -947,6 +947,12 @@ class Bench:
         import firecracker_bench
 
         self.results["firecracker"] = asyncio.run(firecracker_bench.run(self.quick, BENCH_DIR / "fc", log=log))
+
+    def bench_qemu(self) -> None:
+        """The QEMU runtime's real Linux guest: boot, checkpoint, restore, fork, PSS per clone (benchmarks/qemu_bench.py)."""
+        import qemu_bench
+
+        self.results["qemu"] = asyncio.run(qemu_bench.run(self.quick, BENCH_DIR / "qemu", TEST_IMAGES, log=log))
 
     def ensure_server(self) -> None:
         if self.srv is None or self.srv.alive():
@@ -1128,6 +1134,10 @@ def report(res: dict) -> str:
         import firecracker_bench
 
         L += firecracker_bench.report(res["firecracker"])
+    if "qemu" in res:
+        import qemu_bench
+
+        L += qemu_bench.report(res["qemu"])
     return "\n".join(L)
 
 
@@ -1137,7 +1147,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
     ap.add_argument("--only", default="",
-                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,proxy,metrics")
+                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)

@@ -427,6 +427,7 @@ class Orchestrator:
             self._slots[sid] = slot
             spec = self._spec(rec, rootfs, slot, tools)
             spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+            await self._attach_vm_boot(spec)
             await self.runtime.start(spec)
             await self.network.activate(slot)
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(sid),
@@ -474,6 +475,12 @@ class Orchestrator:
             bundle_dir=self.paths.sandbox_dir(rec.sandbox_id) / "bundle",
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
             args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self._lowers(rec))
+
+    async def _attach_vm_boot(self, spec: SandboxSpec) -> None:
+        """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""
+        if runtime_select.is_vm(self.runtime.name) and runtime_select.VM_GUEST_IMAGES is not None \
+                and getattr(self.runtime, "wants_vm_boot", True):
+            spec.vm = await runtime_select.VM_GUEST_IMAGES(self.paths.images, spec)
 
     async def _spawn(self, rec: SandboxRecord, *, restore_from: Path | None = None,
                      restore_token: str | None = None) -> None:
@@ -523,6 +530,7 @@ class Orchestrator:
         self._slots[rec.sandbox_id] = slot
         spec = self._spec(rec, rootfs, slot, tools)
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+        await self._attach_vm_boot(spec)
         if restore_from is None:
             await self.runtime.start(spec)
         else:

@@ -111,6 +111,7 @@ class QemuRuntime:
 
     name = "qemu"
     keeps_tcp_across_checkpoint = True
+    wants_vm_boot = False  # builds its drives itself (same guest image; qcow2 instead of raw copies)
     envd_timeout = 240.0  # a cold boot under TCG on a busy host (15-40 s measured); KVM sets it lower
 
     def __init__(self, settings: Settings) -> None:

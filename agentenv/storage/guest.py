@@ -414,3 +414,29 @@ async def build_guest_image(images_dir: Path, base_rootfs: Path, tools_dir: Path
     if progress:
         progress("guest image ready", 1.0)
     return {"kernel": k.vmlinuz, "vmlinux": k.vmlinux, "initrd": k.initrd, "root": root, "tools": tools}
+
+
+async def vm_boot(images_dir: Path, spec, progress=None):
+    """The guest image as `SandboxSpec.vm` (kernel, initramfs, cmdline, the template's disks).
+
+    Registered as `select.VM_GUEST_IMAGES`; the orchestrator calls it for microVM runtimes that
+    take their boot from the spec (Firecracker). The root disk is the writable one: the runtime
+    gives each sandbox its own copy-on-write copy; the tools disk is shared read-only.
+    """
+    from agentenv.runtimes.base import VmBoot, VmDisk
+
+    g = GuestImages(images_dir)
+    k = await g.ensure_kernel(progress)
+    tools = await g.ensure_tools_disk(spec.tools_dir, progress)
+    root = await g.ensure_root_disk(root_key(spec.lowers or [spec.rootfs]), spec.rootfs, spec.disk_mb, progress)
+    return VmBoot(kernel=k.vmlinux, initrd=k.initrd, cmdline=kernel_cmdline(spec.env, spec.args, spec.hostname),
+                  disks=[VmDisk("root", root, read_only=False, root=True), VmDisk("tools", tools, read_only=True)])
+
+
+def _register() -> None:
+    from agentenv.runtimes import select
+
+    select.VM_GUEST_IMAGES = vm_boot
+
+
+_register()
