@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     # instances can share one host (test clusters, parallel test runs). Each needs its own slot_subnet.
     instance: str = Field(default="", pattern=r"^[a-z0-9]{0,4}$")
     allow_internet_access: bool = True
+    # Destinations a sandbox never reaches (private ranges, CGNAT, link-local/metadata, ...; see
+    # agentenv.network.policy) except these CIDRs, opened to every sandbox of the node. JSON list in
+    # the env var, e.g. AGENTENV_EGRESS_ALLOW_CIDRS='["10.1.2.3/32"]'. Loopback, the slot subnet and
+    # the host's own addresses stay closed whatever this says.
+    egress_allow_cidrs: list[str] = Field(default_factory=list)
 
     # Snapshot store: "local" (a directory; default <data_dir>/snapshots) or "s3" (any S3-compatible store).
     snapshot_store: str = "local"

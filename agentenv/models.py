@@ -91,6 +91,9 @@ class SnapshotRecord:
     # The envd access token the memory image's envd still holds (needed to re-init a restore).
     restore_token: str | None = None
     created_at: datetime = field(default_factory=utcnow)
+    # Egress rules of the source: {"allow_internet_access": bool, "network": dict | None}; a sandbox
+    # created from the snapshot gets them unless its create request sets its own.
+    network: dict | None = None
 
     def to_manifest(self) -> dict:
         return {
@@ -99,7 +102,7 @@ class SnapshotRecord:
             "layers": self.layers, "memory": self.memory_digest, "cpuCount": self.cpu_count,
             "memoryMB": self.memory_mb, "diskSizeMB": self.disk_mb, "envVars": self.env_vars,
             "metadata": self.metadata, "sizeBytes": self.size_bytes, "restoreToken": self.restore_token,
-            "createdAt": rfc3339(self.created_at),
+            "createdAt": rfc3339(self.created_at), "network": self.network,
             "format": 1,
         }
 
@@ -112,7 +115,7 @@ class SnapshotRecord:
             cpu_count=int(m.get("cpuCount", 2)), memory_mb=int(m.get("memoryMB", 1024)),
             disk_mb=int(m.get("diskSizeMB", 4096)), env_vars=dict(m.get("envVars", {})),
             metadata=dict(m.get("metadata", {})), size_bytes=int(m.get("sizeBytes", 0)),
-            restore_token=m.get("restoreToken"),
+            restore_token=m.get("restoreToken"), network=m.get("network"),
             created_at=datetime.fromisoformat(m["createdAt"].replace("Z", "+00:00")) if m.get("createdAt")
             else utcnow())
 

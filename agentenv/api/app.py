@@ -60,6 +60,7 @@ class Orchestrator(Protocol):
     async def list_sandboxes(self, *, team_id: str) -> list[SandboxRecord]: ...
     async def kill_sandbox(self, sandbox_id: str, *, team_id: str) -> None: ...
     async def set_timeout(self, sandbox_id: str, timeout: int, *, team_id: str) -> None: ...
+    async def update_network(self, sandbox_id: str, update: dict, *, team_id: str) -> None: ...
     async def refresh(self, sandbox_id: str, duration: int, *, team_id: str) -> None: ...
     async def connect_sandbox(self, sandbox_id: str, timeout: int, *,
                               team_id: str) -> tuple[SandboxRecord, bool]: ...
@@ -401,6 +402,11 @@ class _Handlers:
         await self.orch.set_timeout(request.match_info["sandboxID"], timeout, team_id=request[_TEAM])
         return web.Response(status=204)
 
+    async def update_network(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.NetworkUpdate, required=True)
+        await self.orch.update_network(request.match_info["sandboxID"], body.wire(), team_id=request[_TEAM])
+        return web.Response(status=204)
+
     async def refresh(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.SandboxRefreshRequest, required=False)
         await self.orch.refresh(request.match_info["sandboxID"], body.duration, team_id=request[_TEAM])
@@ -588,6 +594,7 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("DELETE", "/sandboxes/{sandboxID}", h.kill_sandbox)
     add("POST", "/sandboxes/{sandboxID}/timeout", h.set_timeout)
     add("POST", "/sandboxes/{sandboxID}/refreshes", h.refresh)
+    add("PUT", "/sandboxes/{sandboxID}/network", h.update_network)
     add("POST", "/sandboxes/{sandboxID}/connect", h.connect_v1)
     add("POST", "/v2/sandboxes/{sandboxID}/connect", h.connect_v2)
     add("POST", "/sandboxes/{sandboxID}/resume", h.resume)

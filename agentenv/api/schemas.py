@@ -92,6 +92,20 @@ class SandboxTimeoutRequest(_Body):
     timeout: int
 
 
+class NetworkUpdate(_Body):
+    """PUT /sandboxes/{id}/network: the egress fields replace the current ones (omitted = cleared)."""
+
+    allow_out: list[str] | None = Field(default=None, alias="allowOut")
+    deny_out: list[str] | None = Field(default=None, alias="denyOut")
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers")
+    egress_proxy: EgressProxy | None = Field(default=None, alias="egressProxy")
+    rules: dict[str, list[dict[str, Any]]] | None = None
+    allow_internet_access: bool | None = None
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_unset=True)
+
+
 REFRESH_DEFAULT_S = 15
 REFRESH_MAX_S = 3600
 

@@ -42,6 +42,8 @@ from pyroute2.netlink.exceptions import NetlinkError
 from agentenv import constants
 from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure, Unavailable
+from agentenv.network.egress import EGRESS_PROXY_PORT, EgressProxy
+from agentenv.network.policy import EgressPolicy, platform_sets
 from agentenv.network.slots import (
     GATEWAY_LINK,
     GUEST_LINK,
@@ -60,16 +62,36 @@ CMD_TIMEOUT = 10.0
 NETLINK_TIMEOUT = 10.0
 
 
-def _host_ruleset(names: SlotNames) -> str:
+def _elements(cidrs: list[str] | tuple[str, ...]) -> str:
+    return f" elements = {{ {', '.join(cidrs)} }};" if cidrs else ""
+
+
+def _set(name: str, cidrs: list[str] | tuple[str, ...]) -> str:
+    return f"set {name} {{ type ipv4_addr; flags interval; auto-merge;{_elements(cidrs)} }}"
+
+
+def _host_ruleset(names: SlotNames, hard: list[str], platform: list[str], opened: list[str]) -> str:
     """Root-ns rules of one instance (its own table, matching only its own links).
 
-    `add` is idempotent and keeps the set's elements across server restarts.
+    `add` is idempotent and keeps the `internet` set's elements across server restarts. The
+    platform-denied destinations are refused here too (defence in depth behind the slot's own
+    table), and nothing new from a slot link is accepted by the host itself, whatever address
+    of the host it is sent to.
     """
     t = f"ip {names.host_table}"
     w = f'"{names.link_prefix}*"'
+    fill = "".join(f"add element {t} {n} {{ {', '.join(c)} }}\n" for n, c in
+                   (("hard", hard), ("platform", platform), ("opened", opened)) if c)
     return f"""
 add table {t}
 add set {t} internet {{ type ifname; }}
+add set {t} hard {{ type ipv4_addr; flags interval; auto-merge; }}
+add set {t} platform {{ type ipv4_addr; flags interval; auto-merge; }}
+add set {t} opened {{ type ipv4_addr; flags interval; auto-merge; }}
+flush set {t} hard
+flush set {t} platform
+flush set {t} opened
+{fill}
 add chain {t} forward {{ type filter hook forward priority -1; policy accept; }}
 add chain {t} input {{ type filter hook input priority -1; policy accept; }}
 add chain {t} postrouting {{ type nat hook postrouting priority 100; policy accept; }}
@@ -77,6 +99,8 @@ flush chain {t} forward
 flush chain {t} input
 flush chain {t} postrouting
 add rule {t} forward iifname {w} oifname {w} drop
+add rule {t} forward iifname {w} ip daddr @hard drop
+add rule {t} forward iifname {w} ip daddr @platform ip daddr != @opened drop
 add rule {t} forward iifname {w} iifname @internet accept
 add rule {t} forward iifname {w} drop
 add rule {t} forward oifname {w} ct state established,related accept
@@ -131,16 +155,42 @@ def guest_blocking(flows: list[dict]) -> list[dict]:
     return out
 
 
-def _netns_ruleset(host_ip: str) -> str:
-    """Rules inside one slot's netns: DNAT host_ip -> guest, masquerade guest -> host0."""
+def _netns_ruleset(host_ip: str, policy: EgressPolicy, platform: tuple[list[str], list[str], list[str]]) -> str:
+    """The whole nft table of one slot's netns, replaced atomically (also by a live policy change).
+
+    Inbound: host_ip is DNAT'ed to the guest. Outbound from the guest (forward gw0 -> host0), every
+    packet in the original direction passes `egress`: hard/platform-denied destinations are
+    refused (TCP reset, ICMP otherwise) unless the operator opened them, then the sandbox's
+    allowOut CIDRs win over its denyOut CIDRs, then the rest is allowed. With domain rules, TCP to a
+    denied destination is redirected to the egress proxy listening in this netns (`egress_nat`);
+    the proxy's own upstream connections leave from this netns and pass the platform checks in
+    `output`. `closers` marks who sent the first FIN on every guest flow, forwarded or proxied.
+    """
     g = constants.GUEST_IP
+    hard, plat, opened = platform
+    port = EGRESS_PROXY_PORT
+    nat_jump = f'iifname "{GATEWAY_LINK}" jump egress_nat' if policy.inspects else ""
     return f"""
+add table ip agentenv
+delete table ip agentenv
 table ip agentenv {{
+  {_set("hard", hard)}
+  {_set("platform", plat)}
+  {_set("opened", opened)}
+  {_set("allow", policy.allow_cidrs)}
+  {_set("deny", policy.deny_cidrs)}
   chain raw_pre {{ type filter hook prerouting priority raw; policy accept;
     iifname "{GUEST_LINK}" drop
   }}
   chain to_guest {{ type nat hook prerouting priority dstnat; policy accept;
     iifname "{NS_HOST_LINK}" ip daddr {host_ip} dnat to {g}
+    {nat_jump}
+  }}
+  chain egress_nat {{
+    ip daddr @hard return
+    ip daddr @platform ip daddr != @opened return
+    ip daddr @allow return
+    meta l4proto tcp ip daddr @deny redirect to :{port}
   }}
   chain from_guest {{ type nat hook postrouting priority srcnat; policy accept;
     oifname "{NS_HOST_LINK}" ip saddr {g} masquerade
@@ -149,9 +199,37 @@ table ip agentenv {{
     iifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark set ct mark | 0x1
     oifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark & 0x1 == 0x0 ct mark set ct mark | 0x2
   }}
+  chain closers_in {{ type filter hook input priority -5; policy accept;
+    iifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark set ct mark | 0x1
+  }}
+  chain closers_out {{ type filter hook output priority -5; policy accept;
+    oifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark & 0x1 == 0x0 ct mark set ct mark | 0x2
+  }}
   chain forward_guest {{ type filter hook forward priority filter; policy drop;
     iifname "{NS_HOST_LINK}" oifname "{GATEWAY_LINK}" ip daddr {g} accept
-    iifname "{GATEWAY_LINK}" oifname "{NS_HOST_LINK}" ip saddr {g} accept
+    iifname "{GATEWAY_LINK}" oifname "{NS_HOST_LINK}" ip saddr {g} jump egress
+  }}
+  chain egress {{
+    ct state related accept
+    ct direction reply accept
+    ip daddr @hard goto refuse
+    ip daddr @platform ip daddr != @opened goto refuse
+    ip daddr @allow accept
+    ip daddr @deny goto refuse
+    accept
+  }}
+  chain refuse {{
+    meta l4proto tcp reject with tcp reset
+    reject with icmp type admin-prohibited
+  }}
+  chain input {{ type filter hook input priority filter; policy drop;
+    iif "lo" accept
+    ct state established,related accept
+    iifname "{GATEWAY_LINK}" ct status dnat tcp dport {port} accept
+  }}
+  chain output {{ type filter hook output priority filter; policy accept;
+    oifname "{NS_HOST_LINK}" ip daddr @hard goto refuse
+    oifname "{NS_HOST_LINK}" ip daddr @platform ip daddr != @opened goto refuse
   }}
 }}
 """
@@ -202,13 +280,16 @@ class NetworkManager:
         self._discovered = False
         self._next = 0
         self.names = SlotNames(settings.instance)
+        self.platform = platform_sets(settings.slot_subnet, settings.egress_allow_cidrs)
+        self.egress = EgressProxy()
+        self._policies: dict[str, EgressPolicy] = {}  # sandbox_id -> policy in force
 
     # ---------------------------------------------------------------- host setup
 
     async def setup_host(self) -> None:
         """Enable forwarding and install the root-ns table; safe to call on every server start."""
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
-        await run_cmd(["nft", "-f", "-"], input=_host_ruleset(self.names).encode(),
+        await run_cmd(["nft", "-f", "-"], input=_host_ruleset(self.names, *self.platform).encode(),
                       timeout=CMD_TIMEOUT, what="nft (host rules)")
         await self.discover()
 
@@ -275,7 +356,13 @@ class NetworkManager:
 
     # ---------------------------------------------------------------- allocation
 
-    async def allocate(self, sandbox_id: str, allow_internet: bool = True) -> NetSlot:
+    async def allocate(self, sandbox_id: str, allow_internet: bool = True,
+                       policy: EgressPolicy | None = None) -> NetSlot:
+        """A new slot whose egress rules are in force before anything can run in it.
+
+        `allow_internet` is the root-ns switch (forwarding out of the host at all); `policy` the
+        sandbox's own rules inside the slot (default: everything but the platform-denied ranges).
+        """
         t0 = time.monotonic()
         async with self._lock:
             if not self._discovered:
@@ -286,11 +373,11 @@ class NetworkManager:
                 raise RuntimeFailure(f"netns {self.names.netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
             self._pending.add(sandbox_id)
         try:
-            return await self._allocate(sandbox_id, allow_internet, t0)
+            return await self._allocate(sandbox_id, allow_internet, policy or EgressPolicy(), t0)
         finally:
             self._pending.discard(sandbox_id)
 
-    async def _allocate(self, sandbox_id: str, allow_internet: bool, t0: float) -> NetSlot:
+    async def _allocate(self, sandbox_id: str, allow_internet: bool, policy: EgressPolicy, t0: float) -> NetSlot:
         for _attempt in range(8):
             async with self._lock:
                 index = self._pick_index()
@@ -301,7 +388,7 @@ class NetworkManager:
                            veth_host=self.names.host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
                            allow_internet=allow_internet)
             try:
-                await self._create(slot)
+                await self._create(slot, policy)
                 break
             except _LinkTaken:
                 # aeh<index> belongs to another manager on this host (other server or test run):
@@ -327,7 +414,7 @@ class NetworkManager:
                 return cand
         raise Unavailable(f"no free network slot in {self.subnet}")
 
-    async def _create(self, slot: NetSlot) -> None:
+    async def _create(self, slot: NetSlot, policy: EgressPolicy) -> None:
         # create=True: pyroute2 creates the namespace and opens a socket inside it.
         async with _netlink(netns=slot.netns, create=True) as ns, _netlink() as root:
             await ns.link("add", ifname=GUEST_LINK, kind="veth", peer=GATEWAY_LINK)
@@ -358,10 +445,34 @@ class NetworkManager:
             (lo,) = await ns.link_lookup(ifname="lo")
             await ns.link("set", index=lo, state="up")
             await ns.route("add", dst="0.0.0.0/0", gateway=constants.GUEST_GATEWAY_IP, oif=eth0)
+        await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)
         await run_cmd(["nsenter", f"--net={slot.netns_path}", "sh", "-c", _NETNS_SETUP_SH],
-                      input=_netns_ruleset(slot.host_ip).encode(), timeout=CMD_TIMEOUT, what="netns setup")
+                      input=_netns_ruleset(slot.host_ip, policy, self.platform).encode(), timeout=CMD_TIMEOUT,
+                      what="netns setup")
+        self._policies[slot.sandbox_id] = policy
         if slot.allow_internet:
             await self.set_internet(slot, True)
+
+    async def apply_policy(self, slot: NetSlot, policy: EgressPolicy) -> NetSlot:
+        """Replace the slot's egress rules live (one atomic nft transaction); returns the slot as updated.
+
+        Flows the new rules deny are cut at their next packet; connections already handed to the
+        egress proxy keep going (they were checked when they opened).
+        """
+        if policy.inspects:
+            await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)  # listen before redirecting
+        await run_cmd(["nsenter", f"--net={slot.netns_path}", "nft", "-f", "-"],
+                      input=_netns_ruleset(slot.host_ip, policy, self.platform).encode(), timeout=CMD_TIMEOUT,
+                      what="nft (egress policy)")
+        self._policies[slot.sandbox_id] = policy
+        if not policy.inspects:
+            await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)
+        if slot.allow_internet != policy.may_egress:
+            slot = await self.set_internet(slot, policy.may_egress)
+        return slot
+
+    def policy_for(self, sandbox_id: str) -> EgressPolicy | None:
+        return self._policies.get(sandbox_id)
 
     async def activate(self, slot: NetSlot) -> None:
         """Bring up the netns-kernel side once the runtime owns eth0 (after run/restore returned)."""
@@ -414,6 +525,9 @@ class NetworkManager:
             self._used.discard(slot.index)
 
     async def _teardown(self, slot: NetSlot) -> None:
+        # The proxy's listener holds a reference to the netns: close it first or the namespace lives on.
+        await self.egress.close(slot.sandbox_id)
+        self._policies.pop(slot.sandbox_id, None)
         await _delete_link(slot.veth_host)
         _remove_netns(slot.netns)
         await run_cmd(["nft", "delete", "element", "ip", self.names.host_table, "internet", f'{{ "{slot.veth_host}" }}'],
@@ -432,6 +546,8 @@ class NetworkManager:
             sid = link.get_attr("IFLA_IFALIAS") or ""
             if sid in keep:
                 continue
+            if sid:
+                await self.egress.close(sid)
             await _delete_link(ifname)
             await run_cmd(["nft", "delete", "element", "ip", self.names.host_table, "internet", f'{{ "{ifname}" }}'],
                           timeout=CMD_TIMEOUT, check=False)
@@ -445,6 +561,7 @@ class NetworkManager:
                 sid = self.names.sandbox_of_netns(name)
                 if sid is None or sid in keep:
                     continue
+                await self.egress.close(sid)
                 _remove_netns(name)
                 self._slots.pop(sid, None)
                 removed.add(sid)

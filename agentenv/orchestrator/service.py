@@ -34,6 +34,7 @@ from agentenv.errors import (AgentEnvError, BadRequest, Conflict, NotFound, Runt
                              sandbox_not_found)
 from agentenv.models import (SandboxRecord, SandboxState, SnapshotRecord, TemplateBuildRecord, TemplateRecord,
                              utcnow)
+from agentenv.network.policy import EGRESS_FIELDS, EgressPolicy, parse_policy
 from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.lifecycle import Lifecycle, check
@@ -148,6 +149,9 @@ class Orchestrator:
         if kill_running:
             ids = [sid for sid, r in self._records.items() if r.state != SandboxState.PAUSED]
             await asyncio.gather(*(self._kill_quietly(sid) for sid in ids))
+        egress = getattr(self.network, "egress", None)
+        if egress is not None:
+            await egress.close_all()  # running sandboxes kept: their listeners come back on the next start
 
     async def _ensure_default_templates(self) -> None:
         if await self.store.get_template("base") is None:
@@ -168,6 +172,11 @@ class Orchestrator:
             alive = rec.state == SandboxState.RUNNING and slot is not None and await self.runtime.is_alive(rec.sandbox_id)
             if alive:
                 self._records[rec.sandbox_id] = rec
+                try:
+                    # the egress proxy's listener died with the old process; the nft rules did not
+                    slot = await self.network.apply_policy(slot, self._policy(rec))
+                except Exception:  # noqa: BLE001 - the slot keeps the rules it had
+                    log.exception("could not re-apply the egress policy of %s", rec.sandbox_id)
                 self._slots[rec.sandbox_id] = slot
                 keep.add(rec.sandbox_id)
                 log.info("re-adopted running sandbox %s", rec.sandbox_id)
@@ -298,6 +307,14 @@ class Orchestrator:
         snap = None if tmpl is not None else await self._find_snapshot(template, team_id)
         if tmpl is None and snap is None:
             raise NotFound(f"template '{template}' not found")
+        if snap is not None and snap.network is not None:
+            # a sandbox started from a snapshot keeps the snapshot's egress rules where the request sets none
+            if allow_internet_access is None:
+                allow_internet_access = snap.network.get("allow_internet_access")
+            if network is None:
+                network = snap.network.get("network")
+        parse_policy(self.settings.allow_internet_access if allow_internet_access is None else allow_internet_access,
+                     network)  # 400 before anything starts
         async with self._admission(team_id):
             return await self._create(team_id=team_id, template=template, tmpl=tmpl, build=build, snap=snap,
                                       timeout=timeout,
@@ -522,9 +539,10 @@ class Orchestrator:
         for digest in rec.layers:
             await self.artifacts.ensure_layer(digest)
         if slot is None:
+            policy = self._policy(rec)
             rootfs, slot = await asyncio.gather(
                 self.rootfs.prepare(rec.sandbox_id, self._lowers(rec)),
-                self.network.allocate(rec.sandbox_id, allow_internet=rec.allow_internet_access))
+                self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress, policy=policy))
         else:
             rootfs = await self.rootfs.prepare(rec.sandbox_id, self._lowers(rec))
         self._slots[rec.sandbox_id] = slot
@@ -541,6 +559,36 @@ class Orchestrator:
         await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self._sandbox_env(rec),
                                host_token=self._host_token, current_token=restore_token,
                                default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
+
+    # ------------------------------------------------------------------ egress rules
+
+    def _policy(self, rec: SandboxRecord) -> EgressPolicy:
+        return parse_policy(rec.allow_internet_access, rec.network)
+
+    async def update_network(self, sandbox_id: str, update: dict, *, team_id: str) -> None:
+        """PUT /sandboxes/{id}/network: replace the egress rules (omitted fields are cleared).
+
+        `allow_internet_access` is kept when the update leaves it out. Applied at once to a running
+        sandbox; a paused one gets them when it resumes. Forks and snapshots copy the record.
+        """
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self._get_live(sandbox_id, team_id)
+            network = {k: v for k, v in (rec.network or {}).items() if k not in EGRESS_FIELDS}
+            network.update({k: update[k] for k in EGRESS_FIELDS if update.get(k) is not None})
+            allow = rec.allow_internet_access if update.get("allow_internet_access") is None \
+                else bool(update["allow_internet_access"])
+            policy = parse_policy(allow, network)  # 400 before anything changes
+            slot = self._slots.get(sandbox_id)
+            if rec.state == SandboxState.RUNNING and slot is not None:
+                self._slots[sandbox_id] = await self.network.apply_policy(slot, policy)
+            elif rec.state != SandboxState.PAUSED:
+                raise Conflict(f"Sandbox {sandbox_id} is {rec.state.value}; try again shortly",
+                               error_code="sandbox_changing_state")
+            rec.network = network or None
+            rec.allow_internet_access = allow
+            await self.store.put_sandbox(rec)
+        log.info("egress rules of %s updated: allow %s, deny %s, domains %s", sandbox_id, list(policy.allow_cidrs),
+                 list(policy.deny_cidrs), list(policy.allow_domains))
 
     # ------------------------------------------------------------------ kill / teardown
 
@@ -947,7 +995,8 @@ class Orchestrator:
                 source_sandbox_id=sandbox_id, template_id=rec.template_id, image=rec.image,
                 layers=list(rec.layers), memory_digest=mem if memory else None, cpu_count=rec.cpu_count,
                 memory_mb=rec.memory_mb, disk_mb=rec.disk_mb, env_vars=dict(rec.env_vars),
-                metadata=dict(rec.metadata), size_bytes=size, restore_token=rec.envd_access_token)
+                metadata=dict(rec.metadata), size_bytes=size, restore_token=rec.envd_access_token,
+                network={"allow_internet_access": rec.allow_internet_access, "network": rec.network})
             await self.artifacts.publish(snap)
             await self.store.put_snapshot(snap)
         finally:

@@ -133,6 +133,10 @@ MIGRATIONS: list[str] = [
     );
     CREATE INDEX build_cache_template ON build_cache (template_id);
     """,
+    # 4 -> 5: a snapshot keeps its source's egress rules (allow_internet_access + network options).
+    """
+    ALTER TABLE snapshots ADD COLUMN network TEXT;
+    """,
 ]
 
 _SANDBOX_COLS = (
@@ -144,6 +148,7 @@ _SANDBOX_COLS = (
 _SNAPSHOT_COLS = (
     "snapshot_id", "team_id", "names", "source_sandbox_id", "template_id", "image", "layers", "memory_digest",
     "cpu_count", "memory_mb", "disk_mb", "env_vars", "metadata", "size_bytes", "restore_token", "created_at",
+    "network",
 )
 _TEMPLATE_COLS = ("template_id", "aliases", "cpu_count", "memory_mb", "disk_mb", "image", "public", "created_at",
                   "team_id")
@@ -502,6 +507,7 @@ class SQLiteStateStore:
             "cpu_count": rec.cpu_count, "memory_mb": rec.memory_mb, "disk_mb": rec.disk_mb,
             "env_vars": json.dumps(rec.env_vars), "metadata": json.dumps(rec.metadata),
             "size_bytes": rec.size_bytes, "restore_token": rec.restore_token, "created_at": _ts(rec.created_at),
+            "network": None if rec.network is None else json.dumps(rec.network),
         }
         await self._write(_insert_sql("snapshots", _SNAPSHOT_COLS), [values[c] for c in _SNAPSHOT_COLS])
 
@@ -514,6 +520,7 @@ class SQLiteStateStore:
             memory_mb=row["memory_mb"], disk_mb=row["disk_mb"], env_vars=json.loads(row["env_vars"]),
             metadata=json.loads(row["metadata"]), size_bytes=row["size_bytes"], restore_token=row["restore_token"],
             created_at=_dt(row["created_at"]),
+            network=None if row["network"] is None else json.loads(row["network"]),
         )
 
     async def get_snapshot(self, id_or_name: str) -> SnapshotRecord | None:

@@ -20,6 +20,7 @@ EXPECTED = {
     ("delete", "/sandboxes/{sandboxID}"): {"204"},
     ("post", "/sandboxes/{sandboxID}/timeout"): {"204"},
     ("post", "/sandboxes/{sandboxID}/refreshes"): {"204"},
+    ("put", "/sandboxes/{sandboxID}/network"): {"204"},
     ("post", "/sandboxes/{sandboxID}/connect"): {"200", "201"},
     ("post", "/v2/sandboxes/{sandboxID}/connect"): {"200", "201"},
     ("post", "/sandboxes/{sandboxID}/resume"): {"201"},

@@ -184,7 +184,8 @@ class SandboxKit:
 @pytest.fixture(scope="session")
 def settings() -> Settings:
     DATA_DIR.mkdir(parents=True, exist_ok=True)
-    return Settings(data_dir=DATA_DIR, slot_subnet=TEST_SUBNET)
+    # the `outside` test host lives in 10.215/16, a private range only an operator opens to sandboxes
+    return Settings(data_dir=DATA_DIR, slot_subnet=TEST_SUBNET, egress_allow_cidrs=["10.215.0.0/16"])
 
 
 @pytest.fixture
