@@ -11,10 +11,12 @@ platform rules of the slot's `output` chain still apply) and splices both direct
 else (no name within PEEK_TIMEOUT_S, a name not allowed, an unreachable upstream) is answered
 with a TCP reset.
 
-Old gVisor cannot checkpoint a sandbox with open TCP endpoints: connections are half-closed as
-soon as one side finishes and closed when both have, and `abort_connections` (called before
-pause/fork/snapshot) resets whatever is still open. `close` also drops the listener, which would
-otherwise keep the namespace alive after the slot is released.
+Old gVisor cannot checkpoint a sandbox with open TCP endpoints. A proxied connection is, for
+the guest, an ordinary outbound connection (conntrack in the slot lists it, so pause/fork/snapshot
+wait for it or refuse with 503 exactly as for a direct one); the proxy never keeps one alive on
+its own: a half-close is passed on at once, the connection is closed as soon as both directions
+have ended, and a failure on either side resets both. `close` (slot release) resets what is left
+and drops the listener, which would otherwise keep the namespace alive after the slot is gone.
 """
 
 from __future__ import annotations

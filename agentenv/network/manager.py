@@ -497,7 +497,10 @@ class NetworkManager:
                             timeout=CMD_TIMEOUT, check=False, what="read conntrack")
         if res.returncode != 0:
             raise RuntimeFailure(f"cannot read conntrack of {slot.netns}: {res.stderr.strip()[-300:]}")
-        return guest_blocking(parse_conntrack(res.stdout))
+        # The egress proxy's upstream connections leave from the netns itself (source host_ip):
+        # the guest holds no endpoint for them (its side is the redirected flow, listed on its own).
+        own = f"{slot.host_ip}:"
+        return guest_blocking([f for f in parse_conntrack(res.stdout) if not f["flow"].startswith(own)])
 
     async def deactivate(self, slot: NetSlot) -> None:
         """Undo activate() so the slot can take another runsc run/restore (e.g. a checkpointed
