@@ -157,13 +157,17 @@ def test_rules_change_live(plain: Sandbox, test_hosts: Hosts, server):
 def test_fork_and_snapshot_keep_the_rules(domain_sbx: Sandbox, tracker: Tracker, test_hosts: Hosts, server):
     # A proxied connection held open by a guest process counts like a direct one: the capture is
     # refused (503, the sandbox keeps running) until the process lets go of it.
-    hold = domain_sbx.commands.run(
-        "python3 -c \"import socket,struct,time; s=socket.create_connection(('allowed.test',80)); "
-        "s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0)); time.sleep(600)\"",
-        background=True)
-    ns = SlotNames(INSTANCE).netns_name(domain_sbx.sandbox_id)
-    wait_for(lambda: "ESTABLISHED" in run("ip", "netns", "exec", ns, "cat", "/proc/net/nf_conntrack").stdout,
-             "the held connection")
+    # (TLS handshake done through the proxy, then idle: the server waits for a request)
+    domain_sbx.files.write("/tmp/hold.py", (
+        "import socket, ssl, struct, time\n"
+        "s = socket.create_connection(('allowed.test', 443))\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))\n"
+        "ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n"
+        "t = ctx.wrap_socket(s, server_hostname='allowed.test')\n"
+        "open('/tmp/held', 'w').close()\n"
+        "time.sleep(600)\n"))
+    hold = domain_sbx.commands.run("python3 /tmp/hold.py", background=True)
+    wait_for(lambda: domain_sbx.files.exists("/tmp/held"), "the held connection")
     with pytest.raises(Exception, match="open TCP connections"):
         domain_sbx.fork(count=1)
     assert domain_sbx.commands.kill(hold.pid)  # SO_LINGER 0: the guest resets, no TIME_WAIT
