@@ -147,6 +147,7 @@ class VmSettings:
     net: bool = True                      # tap0 in the netns
     vsock: bool = True
     mmds: bool = True                     # needs net
+    guest_mac: str = "06:00:ac:10:00:02"  # = storage.guest.GUEST_MAC: the guest init looks for it
 
 
 @dataclass
@@ -162,6 +163,7 @@ class VmMeta:
     jailed: bool = False
     free_page_reporting: bool = False
     started_at: float = field(default_factory=time.time)
+    bundle_dir: str | None = None         # the orchestrator's per-sandbox dir: logs are kept there on stop
 
 
 @dataclass
@@ -274,7 +276,7 @@ class FirecrackerVM:
                                                     "is_root_device": d.root, "is_read_only": d.read_only})
         if vm.net:
             await api.put(f"/network-interfaces/{GUEST_LINK}", {"iface_id": GUEST_LINK, "host_dev_name": TAP,
-                                                                 "guest_mac": "06:00:a9:fe:00:16"})
+                                                                 "guest_mac": vm.guest_mac})
             if vm.mmds:
                 await api.put("/mmds/config", {"version": "V2", "network_interfaces": [GUEST_LINK]})
         if vm.vsock:
@@ -381,11 +383,29 @@ def _pid_is_vmm(pid: int, vm_id: str) -> bool:
 
 _taps_ready: set[tuple[str, int]] = set()   # (netns path, netns inode) known to have our tap
 
+# In the slot netns (idempotent): the guest, not the netns, owns the guest address, so it comes off
+# the guest-side veth end, which is bridged with the VMM's tap; bridged frames must not meet the
+# slot's IP rules even where br_netfilter is loaded.
+_TAP_SH = f"""
+set -e
+ip addr flush dev {GUEST_LINK}
+for f in /proc/sys/net/bridge/bridge-nf-call-iptables /proc/sys/net/bridge/bridge-nf-call-ip6tables \\
+         /proc/sys/net/bridge/bridge-nf-call-arptables; do [ -e "$f" ] && echo 0 > "$f"; done
+ip link show {BRIDGE} >/dev/null 2>&1 || ip link add {BRIDGE} type bridge
+ip link show {TAP} >/dev/null 2>&1 || ip tuntap add {TAP} mode tap@OWNER@
+echo 1 > /proc/sys/net/ipv6/conf/{BRIDGE}/disable_ipv6 2>/dev/null || true
+ip link set {GUEST_LINK} master {BRIDGE}
+ip link set {TAP} master {BRIDGE}
+ip link set {BRIDGE} up
+ip link set {TAP} up
+ip link set {GUEST_LINK} up
+"""
+
 
 async def setup_tap(netns_path: str | None, owner: int | None = None) -> None:
     """tap0 in the slot netns, bridged with the guest-side veth end, so the guest owns GUEST_IP (idempotent).
 
-    One `ip -batch` per new netns; a netns this process already set up (same path *and* inode: a
+    One short script per new netns; a netns this process already set up (same path *and* inode: a
     released slot's name can come back as a new netns) costs nothing.
     """
     if netns_path is None:
@@ -393,22 +413,8 @@ async def setup_tap(netns_path: str | None, owner: int | None = None) -> None:
     key = (netns_path, os.stat(netns_path).st_ino)
     if key in _taps_ready:
         return
-    ns = os.path.basename(netns_path)
-    batch = "\n".join([
-        f"link add {BRIDGE} type bridge",
-        f"tuntap add dev {TAP} mode tap" + (f" user {owner}" if owner else ""),
-        f"link set {TAP} master {BRIDGE}",
-        f"link set {GUEST_LINK} master {BRIDGE}",
-        f"link set {TAP} up",
-        f"link set {BRIDGE} up",
-    ]) + "\n"
-    res = await run_cmd(["ip", "-n", ns, "-batch", "-"], input=batch.encode(), timeout=10, check=False,
-                        what="tap setup")
-    if res.returncode != 0:
-        # Already set up by an earlier server process (or a restore into the same slot): check it.
-        show = await run_cmd(["ip", "-n", ns, "-o", "link", "show", TAP], timeout=10, check=False, what="ip link")
-        if show.returncode != 0 or f"master {BRIDGE}" not in show.stdout:
-            raise FirecrackerError(f"cannot set up {TAP} in {ns}: {(res.stderr or res.stdout).strip()[-500:]}")
+    script = _TAP_SH.replace("@OWNER@", f" user {owner}" if owner else "")
+    await run_cmd(["nsenter", f"--net={netns_path}", "sh", "-c", script], timeout=10, what="tap setup")
     if len(_taps_ready) > 4096:
         _taps_ready.clear()
     _taps_ready.add(key)
@@ -420,14 +426,19 @@ async def setup_tap(netns_path: str | None, owner: int | None = None) -> None:
 class FirecrackerRuntime:
     """The Runtime protocol on Firecracker microVMs.
 
-    Needs `spec.vm` (guest kernel, initramfs, cmdline, disks): the guest image. Writable disks are
+    Boots `spec.vm` when given (tests, other guests); otherwise the microVM guest image shared with
+    the QEMU runtime (`storage/guest.py`: uncompressed vmlinux, initramfs, the sandbox's root drive
+    built from `spec.rootfs`/`spec.lowers`, the tools drive with envd). Writable disks are
     reflink-copied per sandbox; read-only ones are shared (symlinked, or hard-linked into a jail).
     """
 
     name = "firecracker"
+    # A VM snapshot keeps the guest kernel's TCP connections: the orchestrator need not drain them.
+    keeps_tcp_across_checkpoint = True
 
     def __init__(self, data_dir: Path, *, binary: Path | None = None, jailer: JailerConfig | None = None,
-                 vm_defaults: VmSettings | None = None, store: rl.ReflinkStore | None = None) -> None:
+                 vm_defaults: VmSettings | None = None, store: rl.ReflinkStore | None = None,
+                 images_dir: Path | None = None) -> None:
         found = binary or find_firecracker()
         if found is None:
             raise RuntimeFailure("firecracker binary not found: run scripts/install-firecracker.sh "
@@ -436,6 +447,7 @@ class FirecrackerRuntime:
         self.jailer = jailer
         self.vm_defaults = vm_defaults or VmSettings()
         self.store = store or rl.ReflinkStore(data_dir)
+        self.images_dir = images_dir or data_dir / "images"
         self._vms: dict[str, FirecrackerVM] = {}
         self._root: Path | None = None
 
@@ -547,9 +559,15 @@ class FirecrackerRuntime:
 
     # -------------------------------------------------------------- Runtime protocol
 
+    async def guest_boot(self, spec: SandboxSpec, progress: Any = None) -> VmBoot:
+        """The shared microVM guest image for `spec` (the orchestrator normally attaches it already)."""
+        from agentenv.storage import guest
+
+        return await guest.vm_boot(self.images_dir, spec, progress)
+
     async def start(self, spec: SandboxSpec) -> None:
         if spec.vm is None:
-            raise RuntimeFailure("the firecracker runtime needs a guest image (SandboxSpec.vm): kernel + disks")
+            spec.vm = await self.guest_boot(spec)
         vm = self._fresh_vm(spec)
         try:
             disks, writable = self._place_disks(vm, spec.vm, None)
@@ -560,7 +578,7 @@ class FirecrackerRuntime:
             await vm.start_instance()
             self._write_meta(vm, VmMeta(spec.sandbox_id, vm.pid or 0, spec.slot.netns_path, None, writable,
                                         _disk_records(spec.vm), vm.jail_dir is not None,
-                                        vm.free_page_reporting))
+                                        vm.free_page_reporting, bundle_dir=str(spec.bundle_dir)))
         except BaseException:
             await asyncio.shield(self.stop(spec.sandbox_id))
             raise
@@ -585,7 +603,8 @@ class FirecrackerRuntime:
             vm.free_page_reporting = bool(cap.get("free_page_reporting", False))
             self._write_meta(vm, VmMeta(spec.sandbox_id, vm.pid or 0, spec.slot.netns_path,
                                         str((image_dir / MEMORY_FILE).resolve()), writable,
-                                        _disk_records(boot), vm.jail_dir is not None, vm.free_page_reporting))
+                                        _disk_records(boot), vm.jail_dir is not None, vm.free_page_reporting,
+                                        bundle_dir=str(spec.bundle_dir)))
         except BaseException:
             await asyncio.shield(self.stop(spec.sandbox_id))
             raise
@@ -668,7 +687,10 @@ class FirecrackerRuntime:
     async def stop(self, sandbox_id: str) -> None:
         vm = self._vms.pop(sandbox_id, None) or self._vm(sandbox_id)
         self._vms.pop(sandbox_id, None)
+        meta = self._read_meta(vm)
         await vm.kill()
+        if meta is not None and meta.bundle_dir:
+            _keep_logs(vm.workdir, Path(meta.bundle_dir))
         self._meta_path(vm).unlink(missing_ok=True)
         if vm.jail_dir is not None:
             shutil.rmtree(vm.jail_dir, ignore_errors=True)
@@ -712,6 +734,20 @@ class FirecrackerRuntime:
         for vm in list(self._vms.values()):
             if vm.api is not None:
                 await vm.api.close()
+
+
+def _keep_logs(workdir: Path, bundle_dir: Path, limit: int = 1 << 20) -> None:
+    """The last MiB of the guest console and VMM log, next to the orchestrator's other sandbox logs."""
+    try:
+        bundle_dir.mkdir(parents=True, exist_ok=True)
+        for name in (CONSOLE_LOG, VMM_LOG):
+            src = workdir / name
+            if src.is_file() and not src.is_symlink():
+                with open(src, "rb") as f:
+                    f.seek(max(0, src.stat().st_size - limit))
+                    (bundle_dir / f"firecracker-{name}").write_bytes(f.read())
+    except OSError as e:
+        log.debug("could not keep the logs of %s: %s", workdir, e)
 
 
 def _regular_file(path: Path) -> None:

@@ -192,7 +192,8 @@ class Entry:
 _REGISTRY: dict[str, Entry] = {}
 
 # The guest image builder microVM runtimes need (template -> kernel, initramfs, disks as VmBoot);
-# registered by the guest image module. Until one is, VM runtimes are not offered by `auto`.
+# registered by the guest image module (agentenv/storage/guest.py). Until one is, Firecracker is not
+# offered by `auto`.
 VM_GUEST_IMAGES: Callable[..., Any] | None = None
 
 
@@ -249,9 +250,8 @@ async def _probe_firecracker(settings: Settings, virt: HostVirt) -> Probe:
         return Probe("firecracker", False, STRENGTH_HW_VM, proof.detail, "hardware VM", None, extra)
     if VM_GUEST_IMAGES is None:
         return Probe("firecracker", False, STRENGTH_HW_VM,
-                     f"{virt.detail} and the VMM boots, but this agentenv has no microVM guest image builder "
-                     "registered (select.VM_GUEST_IMAGES): the orchestrator cannot give Firecracker a kernel + "
-                     "rootfs yet", "hardware VM", None, extra)
+                     f"{virt.detail} and the VMM boots, but no microVM guest image builder is registered "
+                     "(select.VM_GUEST_IMAGES, agentenv/storage/guest.py)", "hardware VM", None, extra)
     return Probe("firecracker", True, STRENGTH_HW_VM,
                  f"{virt.detail}; probe guest booted in {proof.seconds * 1e3:.0f} ms", "hardware VM", None, extra)
 
@@ -259,7 +259,8 @@ async def _probe_firecracker(settings: Settings, virt: HostVirt) -> Probe:
 def _firecracker(settings: Settings) -> Any:
     from agentenv.runtimes.firecracker import FirecrackerRuntime, find_firecracker
 
-    return FirecrackerRuntime(settings.data_dir, binary=find_firecracker(settings.firecracker_path))
+    return FirecrackerRuntime(settings.data_dir, binary=find_firecracker(settings.firecracker_path),
+                              images_dir=settings.paths.images)
 
 
 register("gvisor", _gvisor, _probe_gvisor, vm=False)

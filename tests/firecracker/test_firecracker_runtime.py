@@ -89,6 +89,8 @@ async def test_boot_pause_resume_balloon_mmds(kit):
     await kit.destroy(sid)
     assert not await kit.rt.is_alive(sid)
     assert not work.exists()
+    # The guest console outlives the VM next to the orchestrator's other logs of the sandbox.
+    assert "n=1\n" in (spec.bundle_dir / "firecracker-console.log").read_text()
 
 
 async def test_full_then_diff_snapshot_restore_in_fresh_process(kit, tmp_path):
