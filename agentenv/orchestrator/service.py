@@ -152,6 +152,9 @@ class Orchestrator:
         egress = getattr(self.network, "egress", None)
         if egress is not None:
             await egress.close_all()  # running sandboxes kept: their listeners come back on the next start
+        close = getattr(self.runtime, "close", None)   # e.g. Firecracker: API clients, its VM store mount
+        if close is not None:
+            await close()
 
     async def _ensure_default_templates(self) -> None:
         if await self.store.get_template("base") is None:

@@ -731,9 +731,27 @@ class FirecrackerRuntime:
         return self._vm(sandbox_id)
 
     async def close(self) -> None:
+        """Drop the API clients; unmount the loop-mounted VM store when no VM runs any more.
+
+        (Captures and paused sandboxes live in the orchestrator's dirs, template disk copies stay in
+        the store's image: nothing is lost, the next start mounts it again.)
+        """
         for vm in list(self._vms.values()):
             if vm.api is not None:
                 await vm.api.close()
+        if self._root is None or not self.store.is_mounted():
+            return
+        if any(self._vm(sid).alive() for sid in await self.list_ids()):
+            return
+        for vm in list(self._vms.values()):
+            if vm.api is not None:
+                await vm.api.close()
+        self._vms.clear()
+        try:
+            self.store.unmount()
+            self._root = None
+        except OSError as e:
+            log.warning("VM store stays mounted: %s", e)
 
 
 def _keep_logs(workdir: Path, bundle_dir: Path, limit: int = 1 << 20) -> None:

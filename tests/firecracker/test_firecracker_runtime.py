@@ -260,3 +260,13 @@ async def test_a_restarted_server_re_adopts_running_vms(kit):
         assert sid not in await later.list_ids()
     finally:
         await later.close()
+
+
+async def test_close_unmounts_the_vm_store_only_when_no_vm_runs(kit):
+    spec = await kit.spec()
+    await kit.rt.start(spec)
+    await kit.rt.close()                       # a server stopping with a VM still running (kept)
+    assert kit.rt.store.is_mounted() and await kit.rt.is_alive(spec.sandbox_id)
+    await kit.destroy(spec.sandbox_id)
+    await kit.rt.close()
+    assert not kit.rt.store.is_mounted()       # no loop mount left under the data dir
