@@ -201,8 +201,9 @@ def register(name: str, factory: FactoryFn, probe: ProbeFn, *, vm: bool) -> None
     _REGISTRY[name] = Entry(name, factory, probe, vm)
 
 
-# Modules that call register() when imported (the QEMU runtime adds itself here).
-_PROVIDERS = ["agentenv.runtimes.qemu"]
+# Modules that register with this one when imported: the QEMU runtime (register()) and the microVM
+# guest image (VM_GUEST_IMAGES), each importable without the other.
+_PROVIDERS = ["agentenv.runtimes.qemu", "agentenv.storage.guest"]
 
 
 def _load_providers() -> None:
