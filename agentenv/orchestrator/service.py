@@ -514,6 +514,7 @@ class Orchestrator:
                     await self._bring_up(rec, restore_from=restore_from, restore_token=restore_token)
                 except BaseException as e:
                     log.error("start of %s failed: %s", rec.sandbox_id, e)
+                    self._keep_logs(rec.sandbox_id, "failed")  # the runtime's console/VMM logs say why
                     self._records.pop(rec.sandbox_id, None)
                     await asyncio.shield(self._teardown(rec.sandbox_id))
                     await asyncio.shield(self.store.delete_sandbox(rec.sandbox_id))

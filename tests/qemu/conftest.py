@@ -47,10 +47,14 @@ def qemu_server(server) -> Iterator[ExtraServer]:
     assert r.returncode == 0, f"guest image build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     d = new_data_dir("qemu")
     srv = start_extra_server(d, env=QEMU_ENV, log_name="server-qemu.log")
+    srv.successor = None  # set by a test that restarts the server on the same data dir
     try:
         yield srv
     finally:
         try:
-            srv.stop(timeout=120)
+            if srv.successor is not None:
+                srv.successor.stop(timeout=120)
+            else:
+                srv.stop(timeout=120)
         finally:
             remove_data_dir(d)

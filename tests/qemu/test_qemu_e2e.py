@@ -115,3 +115,22 @@ def test_fork_of_4_children_continue_from_the_capture(vm, qemu_server):
     finally:
         with ThreadPoolExecutor(max_workers=4) as pool:
             list(pool.map(_kill, children))
+
+
+@pytest.mark.timeout(900)
+def test_zz_restarted_server_readopts_the_running_vm(vm, qemu_server):
+    """kill -9 the server: the VM keeps running; a new server on the same data dir adopts it
+    (pid checked against its argv, QMP reconnected) and can still pause and resume it."""
+    from serverproc import start_extra_server
+
+    vm.files.write("/home/user/before-crash.txt", "still here", request_timeout=REQ)
+    qemu_server.kill9()
+    srv2 = start_extra_server(qemu_server.data_dir, api_key=qemu_server.api_key, env=qemu_server.env,
+                              log_name="server-qemu-2.log")
+    qemu_server.successor = srv2
+    again = Sandbox.connect(vm.sandbox_id, timeout=1800, request_timeout=REQ, **srv2.sdk_opts())
+    assert again.files.read("/home/user/before-crash.txt", request_timeout=REQ) == "still here"
+    assert again.pause(request_timeout=REQ) is True
+    again = Sandbox.connect(vm.sandbox_id, timeout=1800, request_timeout=REQ, **srv2.sdk_opts())
+    r = again.commands.run("cat /home/user/before-crash.txt", timeout=120, request_timeout=REQ)
+    assert r.stdout == "still here"
