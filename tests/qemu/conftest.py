@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,8 +35,11 @@ def _missing() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def qemu_server(server) -> Iterator[ExtraServer]:
-    """`server` (the session server) builds the base image and tools layer this needs first."""
+def guest_image(server) -> dict[str, Path]:
+    """The guest image in the shared data dir, built by `agentenv image build --vm` (cached there).
+
+    `server` (the session server) builds the base image and tools layer this needs first.
+    """
     why = _missing()
     if why:
         pytest.skip(why)
@@ -45,6 +49,17 @@ def qemu_server(server) -> Iterator[ExtraServer]:
     r = subprocess.run([agentenv_executable(), "image", "build", "--vm", "--data-dir", str(shared)], env=env,
                        capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, f"guest image build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    parts = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("guest "):
+            name, path = line[len("guest "):].split(":", 1)
+            parts[name.strip()] = Path(path.strip())
+    assert {"kernel", "vmlinux", "initrd", "root", "tools"} <= set(parts), r.stdout
+    return parts
+
+
+@pytest.fixture(scope="session")
+def qemu_server(guest_image) -> Iterator[ExtraServer]:
     d = new_data_dir("qemu")
     srv = start_extra_server(d, env=QEMU_ENV, log_name="server-qemu.log")
     srv.successor = None  # set by a test that restarts the server on the same data dir
