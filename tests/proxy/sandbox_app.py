@@ -3,7 +3,7 @@
 Uploaded as a file and started with the sandbox's own `python3`. A threading HTTP/1.1 server
 (poll-based, so gVisor can checkpoint it: see docs/limitations.md) with keep-alive and:
 
-  GET  /hello                 JSON: pid, a per-process request counter, the headers it received
+  GET  /hello                 JSON: pid, a per-process request counter, the client's address, the headers
   POST /upload                streams the body (chunked or Content-Length) into sha256; JSON size+hash
   GET  /download?size=N       N bytes of `pattern()` with Content-Length, written 1 MiB at a time
   POST /echo                  chunked response: every request chunk is echoed back as soon as it is read
@@ -101,7 +101,7 @@ class Handler(BaseHTTPRequestHandler):
             with _lock:
                 _count += 1
                 n = _count
-            self.send_json({"pid": os.getpid(), "count": n, "path": self.path,
+            self.send_json({"pid": os.getpid(), "count": n, "path": self.path, "peer": list(self.client_address),
                             "headers": [[k, v] for k, v in self.headers.items()]})
         elif url.path == "/download":
             size = int(q["size"])

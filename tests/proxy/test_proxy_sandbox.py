@@ -164,6 +164,16 @@ def test_header_host_and_path_routing_reach_the_app(server, app_sbx: Sandbox) ->
         f"/proxy/{app_sbx.sandbox_id}/{APP_PORT}"
 
 
+def test_upstream_connections_are_kept_alive_and_reused(server, app_sbx: Sandbox) -> None:
+    """Separate client connections, one after the other, share one pooled connection to the app."""
+    peers = set()
+    for _ in range(5):
+        with requests.Session() as s:  # a new client connection each time
+            peers.add(tuple(s.get(f"{server.sandbox_url}/hello", headers=route(app_sbx), timeout=30).json()["peer"]))
+    # Normally one; idle pooled connections are closed after 2 s, which a stalled machine can reach.
+    assert len(peers) < 5, peers
+
+
 def test_get_host_resolves_without_dns_for_curl(server, app_sbx: Sandbox) -> None:
     """curl resolves `*.localhost` to loopback by itself: get_host() works as-is, no DNS set up."""
     out = subprocess.run(["curl", "-sS", "--max-time", "30", f"http://{app_sbx.get_host(APP_PORT)}/hello"],
