@@ -6,6 +6,7 @@ Everything the server keeps lives under `data_dir`; see `Paths` for the layout.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +100,18 @@ class Settings(BaseSettings):
     metrics_history: int = Field(default=900, ge=2)  # samples kept per sandbox (30 min at 2 s)
     events_webhook_url: str | None = None  # every lifecycle event is POSTed here as JSON
     console: bool = True  # the read-only web console at /console
+
+    # --- cluster roles (`agentenv node|gateway|scheduler`; `serve` ignores all but database_url) ---
+    # postgresql://user:pass@host:port/db -> the shared PostgreSQL state store; unset -> SQLite in data_dir.
+    database_url: str | None = None
+    # Shared secret of the internal calls between gateway, scheduler and nodes (X-Agentenv-Cluster-Token).
+    cluster_token: str | None = None
+    node_id: str = Field(default_factory=socket.gethostname)
+    # URL the other roles use to reach this node's internal API and sandbox traffic.
+    node_url: str | None = None
+    scheduler_url: str | None = None
+    heartbeat_interval_s: float = Field(default=2.0, gt=0)
+    node_dead_after_s: float = Field(default=10.0, gt=0)
 
     # API key created on first start if none exists (printed by `serve`).
     bootstrap_api_key: str | None = Field(default=None)

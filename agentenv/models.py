@@ -28,6 +28,8 @@ class SandboxState(str, enum.Enum):
     KILLING = "killing"
     KILLED = "killed"
     FAILED = "failed"
+    # Cluster only: its node stopped heartbeating while it ran; kept (and reported) until killed.
+    LOST = "lost"
 
     @property
     def public(self) -> str:
@@ -68,6 +70,9 @@ class SandboxRecord:
     image: str = "base"
     layers: list[str] = field(default_factory=list)
     pause_mode: str | None = None  # while paused: "full" (checkpoint in the sandbox dir) | "filesystem"
+    # Cluster nodes only, while paused: the memory image published to the snapshot store (with the
+    # layers), so that any node can resume it.
+    memory_digest: str | None = None
 
 
 @dataclass
@@ -220,3 +225,23 @@ class TeamRecord:
     # Concurrent (non-paused) sandboxes this team may hold; None = the server's default.
     max_sandboxes: int | None = None
     created_at: datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class NodeRecord:
+    """A cluster node as its heartbeats describe it (the registry the scheduler places by)."""
+
+    node_id: str
+    url: str
+    state: str = "active"  # active | draining | dead
+    cpu_count: int = 1
+    memory_mb: int = 0  # physical memory of the node
+    max_sandboxes: int = 0
+    sandboxes: int = 0  # active (not paused) sandboxes, including ones being created
+    alloc_cpu: int = 0  # sum of the active sandboxes' vCPUs
+    alloc_memory_mb: int = 0  # sum of the active sandboxes' memory limits
+    load: float = 0.0  # 1-minute load average / CPUs (actually used CPU)
+    used_memory_mb: int = 0  # memory in use on the node (MemTotal - MemAvailable)
+    cached_layers: list[str] = field(default_factory=list)  # layer digests present on the node
+    heartbeat_at: datetime = field(default_factory=utcnow)
+    started_at: datetime = field(default_factory=utcnow)

@@ -137,13 +137,17 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE snapshots ADD COLUMN network TEXT;
     """,
+    # 5 -> 6: a paused sandbox's memory image published to the snapshot store (cluster nodes).
+    """
+    ALTER TABLE sandboxes ADD COLUMN memory_digest TEXT;
+    """,
 ]
 
 _SANDBOX_COLS = (
     "sandbox_id", "template_id", "team_id", "state", "started_at", "end_at", "cpu_count", "memory_mb",
     "disk_mb", "envd_access_token", "traffic_access_token", "alias", "metadata", "env_vars", "auto_pause",
     "auto_resume", "allow_internet_access", "network", "slot", "runtime", "node_id", "parent_id",
-    "snapshot_id", "created_at", "image", "layers", "pause_mode",
+    "snapshot_id", "created_at", "image", "layers", "pause_mode", "memory_digest",
 )
 _SNAPSHOT_COLS = (
     "snapshot_id", "team_id", "names", "source_sandbox_id", "template_id", "image", "layers", "memory_digest",
@@ -256,7 +260,13 @@ class SQLiteStateStore:
     # sandboxes ----------------------------------------------------------------------------------
 
     async def put_sandbox(self, rec: SandboxRecord) -> None:
-        values: dict[str, Any] = {
+        values = self.sandbox_values(rec)
+        await self._write(_insert_sql("sandboxes", _SANDBOX_COLS), [values[c] for c in _SANDBOX_COLS])
+
+    @staticmethod
+    def sandbox_values(rec: SandboxRecord) -> dict[str, Any]:
+        """Column values of a sandbox row (shared with the PostgreSQL store: same row format)."""
+        return {
             "sandbox_id": rec.sandbox_id,
             "template_id": rec.template_id,
             "team_id": rec.team_id,
@@ -284,8 +294,8 @@ class SQLiteStateStore:
             "image": rec.image,
             "layers": json.dumps(list(rec.layers)),
             "pause_mode": rec.pause_mode,
+            "memory_digest": rec.memory_digest,
         }
-        await self._write(_insert_sql("sandboxes", _SANDBOX_COLS), [values[c] for c in _SANDBOX_COLS])
 
     @staticmethod
     def _sandbox(row: aiosqlite.Row) -> SandboxRecord:
@@ -317,6 +327,7 @@ class SQLiteStateStore:
             image=row["image"],
             layers=json.loads(row["layers"]),
             pause_mode=row["pause_mode"],
+            memory_digest=row["memory_digest"],
         )
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
@@ -326,11 +337,14 @@ class SQLiteStateStore:
     async def delete_sandbox(self, sandbox_id: str) -> None:
         await self._write("DELETE FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,))
 
-    async def list_sandboxes(self, *, team_id: str | None = None,
-                             states: list[SandboxState] | None = None) -> list[SandboxRecord]:
+    async def list_sandboxes(self, *, team_id: str | None = None, states: list[SandboxState] | None = None,
+                             node_id: str | None = None) -> list[SandboxRecord]:
         """Oldest first (by startedAt, then id); `states=[]` matches nothing."""
         where: list[str] = []
         params: list[Any] = []
+        if node_id is not None:
+            where.append("node_id = ?")
+            params.append(node_id)
         if team_id is not None:
             where.append("team_id = ?")
             params.append(team_id)
@@ -348,7 +362,12 @@ class SQLiteStateStore:
     # templates ----------------------------------------------------------------------------------
 
     async def put_template(self, rec: TemplateRecord) -> None:
-        values = {
+        values = self.template_values(rec)
+        await self._write(_insert_sql("templates", _TEMPLATE_COLS), [values[c] for c in _TEMPLATE_COLS])
+
+    @staticmethod
+    def template_values(rec: TemplateRecord) -> dict[str, Any]:
+        return {
             "template_id": rec.template_id,
             "aliases": json.dumps(list(rec.aliases)),
             "cpu_count": rec.cpu_count,
@@ -359,7 +378,6 @@ class SQLiteStateStore:
             "created_at": _ts(rec.created_at),
             "team_id": rec.team_id,
         }
-        await self._write(_insert_sql("templates", _TEMPLATE_COLS), [values[c] for c in _TEMPLATE_COLS])
 
     @staticmethod
     def _template(row: aiosqlite.Row) -> TemplateRecord:
@@ -444,7 +462,12 @@ class SQLiteStateStore:
     # API keys -----------------------------------------------------------------------------------
 
     async def put_api_key(self, rec: ApiKeyRecord) -> None:
-        values = {
+        values = self.key_values(rec)
+        await self._write(_insert_sql("api_keys", _KEY_COLS), [values[c] for c in _KEY_COLS])
+
+    @staticmethod
+    def key_values(rec: ApiKeyRecord) -> dict[str, Any]:
+        return {
             "key_id": rec.key_id,
             "key_hash": rec.key_hash,
             "team_id": rec.team_id,
@@ -452,7 +475,6 @@ class SQLiteStateStore:
             "created_at": _ts(rec.created_at),
             "revoked": int(rec.revoked),
         }
-        await self._write(_insert_sql("api_keys", _KEY_COLS), [values[c] for c in _KEY_COLS])
 
     @staticmethod
     def _key(row: aiosqlite.Row) -> ApiKeyRecord:
@@ -500,7 +522,12 @@ class SQLiteStateStore:
     # snapshots ----------------------------------------------------------------------------------
 
     async def put_snapshot(self, rec: SnapshotRecord) -> None:
-        values = {
+        values = self.snapshot_values(rec)
+        await self._write(_insert_sql("snapshots", _SNAPSHOT_COLS), [values[c] for c in _SNAPSHOT_COLS])
+
+    @staticmethod
+    def snapshot_values(rec: SnapshotRecord) -> dict[str, Any]:
+        return {
             "snapshot_id": rec.snapshot_id, "team_id": rec.team_id, "names": json.dumps(list(rec.names)),
             "source_sandbox_id": rec.source_sandbox_id, "template_id": rec.template_id, "image": rec.image,
             "layers": json.dumps(list(rec.layers)), "memory_digest": rec.memory_digest,
@@ -509,7 +536,6 @@ class SQLiteStateStore:
             "size_bytes": rec.size_bytes, "restore_token": rec.restore_token, "created_at": _ts(rec.created_at),
             "network": None if rec.network is None else json.dumps(rec.network),
         }
-        await self._write(_insert_sql("snapshots", _SNAPSHOT_COLS), [values[c] for c in _SNAPSHOT_COLS])
 
     @staticmethod
     def _snapshot(row: aiosqlite.Row) -> SnapshotRecord:

@@ -1,0 +1,124 @@
+"""PostgresStateStore against a real PostgreSQL server (initdb'd into a temp dir by the test)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from agentenv.models import ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord
+from agentenv.state.postgres import MIGRATIONS, PostgresStateStore
+
+from pgserver import pg_bindir, start_postgres
+
+pytestmark = pytest.mark.skipif(pg_bindir() is None, reason="PostgreSQL server not installed (apt postgresql)")
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+
+
+def sandbox(i: int, **kw) -> SandboxRecord:
+    base = dict(sandbox_id=f"i{i:020d}", template_id="base", team_id="default", state=SandboxState.RUNNING,
+                started_at=T0 + timedelta(seconds=i), end_at=T0 + timedelta(seconds=300 + i), cpu_count=2,
+                memory_mb=1024, disk_mb=4096, envd_access_token=f"tok{i}", node_id="n1")
+    base.update(kw)
+    return SandboxRecord(**base)
+
+
+@pytest.fixture(scope="module")
+def pg():
+    srv = start_postgres()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture
+async def store(pg):
+    s = PostgresStateStore(pg.url())
+    await s.open()
+    try:
+        yield s
+    finally:
+        for t in ("sandboxes", "templates", "api_keys", "snapshots", "nodes"):
+            await s._p.execute(f"DELETE FROM {t}")
+        await s.close()
+
+
+async def test_sandbox_round_trip_and_filters(store):
+    a = sandbox(1, metadata={"k": "v"}, env_vars={"A": "1"}, layers=["l1", "l2"], network={"allowOut": ["x"]},
+                memory_digest="m1", pause_mode="full", state=SandboxState.PAUSED)
+    b = sandbox(2, team_id="other", node_id="n2")
+    await store.put_sandbox(a)
+    await store.put_sandbox(b)
+    assert await store.get_sandbox(a.sandbox_id) == a
+    assert [r.sandbox_id for r in await store.list_sandboxes()] == [a.sandbox_id, b.sandbox_id]
+    assert [r.sandbox_id for r in await store.list_sandboxes(team_id="other")] == [b.sandbox_id]
+    assert [r.sandbox_id for r in await store.list_sandboxes(node_id="n1")] == [a.sandbox_id]
+    assert await store.list_sandboxes(states=[]) == []
+    assert [r.sandbox_id for r in await store.list_sandboxes(states=[SandboxState.PAUSED])] == [a.sandbox_id]
+    await store.delete_sandbox(a.sandbox_id)
+    assert await store.get_sandbox(a.sandbox_id) is None
+    assert await store.schema_version() == len(MIGRATIONS)
+
+
+async def test_guarded_writes_and_claim(store):
+    rec = sandbox(3, state=SandboxState.PAUSED, memory_digest="m")
+    await store.put_sandbox_of(rec, "n1")
+    assert await store.claim_sandbox(rec.sandbox_id, "n1", "n2")
+    assert not await store.claim_sandbox(rec.sandbox_id, "n1", "n3")  # n2 has it now
+    # n1's late writes and deletes no longer touch it
+    await store.put_sandbox_of(replace(rec, state=SandboxState.RUNNING), "n1")
+    await store.delete_sandbox_of(rec.sandbox_id, "n1")
+    got = await store.get_sandbox(rec.sandbox_id)
+    assert got is not None and got.node_id == "n2" and got.state == SandboxState.PAUSED
+    running = sandbox(4)
+    await store.put_sandbox_of(running, "n2")
+    assert not await store.claim_sandbox(running.sandbox_id, "n2", "n1")  # only paused ones move
+
+
+async def test_templates_keys_snapshots(store):
+    await store.put_template(TemplateRecord("t1", ["alias1"], 2, 512, 1024, "base"))
+    assert (await store.get_template("alias1")).template_id == "t1"
+    assert await store.get_template("nope") is None
+    key = ApiKeyRecord("k1", "h" * 64, "default", "test")
+    await store.put_api_key(key)
+    assert await store.find_api_key("h" * 64) == key
+    assert await store.revoke_api_key("k1") and (await store.find_api_key("h" * 64)).revoked
+    assert not await store.revoke_api_key("missing")
+    snap = SnapshotRecord("s1", "default", ["named"], "i1", "base", "base", ["l"], "m", 2, 512, 1024)
+    await store.put_snapshot(snap)
+    assert (await store.get_snapshot("named")).snapshot_id == "s1"
+    assert [s.snapshot_id for s in await store.list_snapshots(team_id="default")] == ["s1"]
+
+
+async def test_node_heartbeats_expire_and_lose_unsafe_sandboxes(store):
+    await store.put_node(NodeRecord("n1", "http://n1", cpu_count=4, cached_layers=["abc"]))
+    await store.put_node(NodeRecord("n2", "http://n2"))
+    running = sandbox(10)
+    safe = sandbox(11, state=SandboxState.PAUSED, memory_digest="m")
+    unsafe = sandbox(12, state=SandboxState.PAUSED, pause_mode="full")
+    other = sandbox(13, node_id="n2")
+    for r in (running, safe, unsafe, other):
+        await store.put_sandbox(r)
+    assert await store.expire_nodes(60) == {}
+    await store._p.execute("UPDATE nodes SET heartbeat_at = now() - interval '30 seconds' WHERE node_id = 'n1'")
+    gone = await store.expire_nodes(10)
+    assert sorted(gone["n1"]) == sorted([running.sandbox_id, unsafe.sandbox_id]) and list(gone) == ["n1"]
+    assert (await store.get_node("n1")).state == "dead"
+    assert (await store.get_sandbox(running.sandbox_id)).state == SandboxState.LOST
+    assert (await store.get_sandbox(safe.sandbox_id)).state == SandboxState.PAUSED
+    assert (await store.get_sandbox(other.sandbox_id)).state == SandboxState.RUNNING
+    assert await store.expire_nodes(10) == {}  # reported once
+    n1 = await store.get_node("n1")
+    assert n1.cpu_count == 4 and n1.cached_layers == ["abc"]
+    # a heartbeat brings it back
+    assert await store.put_node(NodeRecord("n1", "http://n1")) == "active"
+
+
+async def test_concurrent_writers(store):
+    await asyncio.gather(*(store.put_sandbox_of(sandbox(100 + i), "n1") for i in range(50)))
+    assert len(await store.list_sandboxes(node_id="n1")) == 50
