@@ -129,6 +129,83 @@ def serve(host: str | None, port: int | None, data_dir: str | None) -> None:
             raise click.ClickException(str(e)) from None
 
 
+@main.command()
+@click.option("--host", default=None, help="listen address (AGENTENV_HOST)")
+@click.option("--port", type=int, default=None, help="listen port (AGENTENV_PORT)")
+@click.option("--data-dir", default=None, help="this node's data dir (AGENTENV_DATA_DIR)")
+def node(host: str | None, port: int | None, data_dir: str | None) -> None:
+    """Run a cluster node: sandboxes of this host (needs AGENTENV_DATABASE_URL, _CLUSTER_TOKEN, _NODE_URL)."""
+    from agentenv.cluster.node import run_node
+    from agentenv.server import StartupError
+
+    settings = _settings(data_dir, host=host, port=port)
+    _require_root()
+    with server_lock(settings), _progress() as cb:
+        try:
+            asyncio.run(run_node(settings, progress=cb))
+        except KeyboardInterrupt:
+            pass
+        except StartupError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.option("--host", default=None, help="listen address (AGENTENV_HOST)")
+@click.option("--port", type=int, default=None, help="listen port (AGENTENV_PORT)")
+def gateway(host: str | None, port: int | None) -> None:
+    """Run the cluster gateway: public API + sandbox traffic, routed to the nodes (no root needed)."""
+    from agentenv.cluster.gateway import run_gateway
+    from agentenv.server import StartupError
+
+    try:
+        asyncio.run(run_gateway(_settings(None, host=host, port=port)))
+    except KeyboardInterrupt:
+        pass
+    except StartupError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.option("--host", default=None, help="listen address (AGENTENV_HOST)")
+@click.option("--port", type=int, default=None, help="listen port (AGENTENV_PORT)")
+def scheduler(host: str | None, port: int | None) -> None:
+    """Run the cluster scheduler: placement and node liveness (no root needed)."""
+    from agentenv.cluster.scheduler import run_scheduler
+    from agentenv.server import StartupError
+
+    try:
+        asyncio.run(run_scheduler(_settings(None, host=host, port=port)))
+    except KeyboardInterrupt:
+        pass
+    except StartupError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@main.command()
+@click.option("--node-url", default=None, help="the node's URL (default AGENTENV_NODE_URL or http://127.0.0.1:<port>)")
+@click.option("--undo", is_flag=True, help="accept new sandboxes again")
+def drain(node_url: str | None, undo: bool) -> None:
+    """Stop placing new sandboxes on a node (e.g. before maintenance or a pod's termination)."""
+    import aiohttp
+
+    from agentenv.cluster.internal import TOKEN_HEADER
+
+    settings = _settings(None)
+    url = (node_url or settings.node_url or settings.api_url()).rstrip("/")
+
+    async def go() -> dict:
+        async with aiohttp.ClientSession() as s, s.post(
+                f"{url}/internal/drain", json={"draining": not undo},
+                headers={TOKEN_HEADER: settings.cluster_token or ""}) as r:
+            body = await r.json(content_type=None)
+            if r.status >= 400:
+                raise click.ClickException(f"{url}: {r.status} {body}")
+            return body
+
+    body = asyncio.run(go())
+    click.echo(f"node {body.get('node_id')}: {body.get('state')} ({body.get('sandboxes')} active sandboxes)")
+
+
 def _require_root() -> None:
     if os.geteuid() != 0:
         raise click.ClickException("agentenv needs root (network namespaces, mounts, runsc); run it as root")

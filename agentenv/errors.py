@@ -72,3 +72,9 @@ class RuntimeFailure(AgentEnvError):
 def sandbox_not_found(sandbox_id: str) -> NotFound:
     """The exact 404 the E2B API gives for unknown, killed or foreign sandboxes."""
     return NotFound(f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")
+
+
+class Gone(AgentEnvError):
+    """The resource existed but is gone for good (a cluster sandbox lost with its node)."""
+
+    status = 410

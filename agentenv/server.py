@@ -57,7 +57,8 @@ class Components:
     observability: Any = None  # agentenv.observability.Observability
 
 
-async def build(settings: Settings) -> Components:
+async def build(settings: Settings, *, store=None, publish_paused: bool = False) -> Components:
+    """Wire one node. `store` (cluster nodes): a node-scoped view of the shared state store."""
     from agentenv.api.auth import ApiKeyAuth
     from agentenv.network.manager import NetworkManager
     from agentenv.orchestrator.service import Orchestrator
@@ -70,7 +71,8 @@ async def build(settings: Settings) -> Components:
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     runtime = await build_runtime(settings)   # first: a runtime that cannot run is a clean startup error
-    store = SQLiteStateStore(settings.paths.state_db)
+    if store is None:
+        store = SQLiteStateStore(settings.paths.state_db)
     await store.open()
     auth = ApiKeyAuth(store)
     images = ImageStore(settings)
@@ -78,7 +80,8 @@ async def build(settings: Settings) -> Components:
     if isinstance(snapshot_store, S3SnapshotStore):
         await snapshot_store.ensure_bucket()
     orch = Orchestrator(settings, store, images, RootfsManager(settings.paths), NetworkManager(settings),
-                        runtime, ArtifactCache(settings.data_dir, snapshot_store))
+                        runtime, ArtifactCache(settings.data_dir, snapshot_store),
+                        publish_paused=publish_paused)
     proxy = TrafficProxy(orch, domain=settings.sandbox_domain())
     orch.on_before_stop.append(proxy.close_sandbox_connections)
     from agentenv.observability import Observability

@@ -46,19 +46,19 @@ class S3Server:
                 self.proc.wait(10)
 
 
-def start_s3(root: Path) -> S3Server:
+def start_s3(root: Path, host: str = "127.0.0.1") -> S3Server:
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
     ak, sk = "agentenv" + secrets.token_hex(4), secrets.token_hex(16)
     log = open(root.parent / f"rclone-{port}.log", "wb")
     proc = subprocess.Popen(
-        [rclone_binary(), "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key", f"{ak},{sk}",
+        [rclone_binary(), "serve", "s3", "--addr", f"{host}:{port}", "--auth-key", f"{ak},{sk}",
          "--config", "/dev/null", str(root)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 break
         except OSError:
             if proc.poll() is not None:
@@ -67,4 +67,4 @@ def start_s3(root: Path) -> S3Server:
     else:
         proc.kill()
         raise RuntimeError("rclone serve s3 did not start")
-    return S3Server(f"http://127.0.0.1:{port}", ak, sk, root, proc)
+    return S3Server(f"http://{host}:{port}", ak, sk, root, proc)

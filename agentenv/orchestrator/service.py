@@ -80,8 +80,11 @@ class Route:
 
 class Orchestrator:
     def __init__(self, settings: Settings, store: StateStore, images, rootfs, network, runtime: Runtime,
-                 artifacts: ArtifactCache) -> None:
+                 artifacts: ArtifactCache, *, publish_paused: bool = False) -> None:
+        """`publish_paused` (cluster nodes): a pause seals the sandbox's state into layers + a memory
+        image and uploads them to the snapshot store, so that any node can resume it."""
         self.settings = settings
+        self.publish_paused = publish_paused
         self.paths = settings.paths
         self.store = store
         self.images = images
@@ -231,6 +234,8 @@ class Orchestrator:
         # The live records too: a capture puts its new layer in the record before the store has it.
         for rec in list(self._records.values()) + await self.store.list_sandboxes():
             layers.update(rec.layers)
+            if rec.memory_digest:
+                memory.add(rec.memory_digest)
         for snap in await self.store.list_snapshots():
             layers.update(snap.layers)
             if snap.memory_digest:
@@ -694,9 +699,10 @@ class Orchestrator:
             await self._teardown(sandbox_id)
             self._records.pop(sandbox_id, None)
             await self.store.delete_sandbox(sandbox_id)
+            await self._drop_paused_memory(rec)
         self.lifecycle.forget(sandbox_id)
         log.info("killed sandbox %s", sandbox_id)
-        if rec.layers:
+        if rec.layers or rec.memory_digest:
             await self.gc_artifacts()
 
     async def _kill_quietly(self, sandbox_id: str) -> None:
@@ -809,10 +815,71 @@ class Orchestrator:
                 raise await self._lose(rec, e) from e
             await self._release_slot(sandbox_id)
             await self.rootfs.unmount(sandbox_id)
+            if self.publish_paused:
+                try:
+                    await self._publish_paused(rec, ckpt if memory else None)
+                except Exception as e:  # noqa: BLE001
+                    raise await self._lose(rec, e) from e
             rec.state = final
             rec.pause_mode = "full" if memory else "filesystem"
             await self.store.put_sandbox(rec)
         log.info("paused sandbox %s (%s)", sandbox_id, rec.pause_mode)
+
+    async def _publish_paused(self, rec: SandboxRecord, ckpt: Path | None) -> None:
+        """Seal the paused sandbox's upper (and checkpoint) into artifacts and upload them."""
+        layer = await self.artifacts.seal_upper(self.rootfs.upper_path(rec.sandbox_id))
+        if layer:
+            rec.layers = [layer] + rec.layers
+        if ckpt is not None:
+            rec.memory_digest = await self.artifacts.seal_memory(ckpt)
+        await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
+
+    async def _drop_paused_memory(self, rec: SandboxRecord) -> None:
+        """A published pause image is used once: after the resume (or kill) it goes from the store."""
+        digest, rec.memory_digest = rec.memory_digest, None
+        if digest:
+            try:
+                await self.artifacts.store.delete_blob("memory", digest)
+            except Exception as e:  # noqa: BLE001 - an orphan blob is only wasted space
+                log.warning("could not delete memory image %s from the store: %s", digest[:12], e)
+
+    async def adopt_sandbox(self, sandbox_id: str, *, from_node: str) -> SandboxRecord:
+        """Cluster: take over a paused sandbox of another node (its state is in the snapshot store)."""
+        claim = getattr(self.store, "claim_sandbox", None)
+        if claim is None:
+            raise BadRequest("moving sandboxes between nodes needs the cluster state store")
+        async with self.lifecycle.lock(sandbox_id):
+            if not await claim(sandbox_id, from_node):
+                raise Conflict(f"Sandbox {sandbox_id} is not a paused sandbox of node {from_node}",
+                               error_code="sandbox_changing_state")
+            rec = await self.store.get_sandbox(sandbox_id)
+            if rec is None:
+                raise sandbox_not_found(sandbox_id)
+            rec.slot = None
+            self._records[sandbox_id] = rec
+        log.info("adopted paused sandbox %s from node %s", sandbox_id, from_node)
+        return replace(rec)
+
+    async def release_sandbox(self, sandbox_id: str) -> None:
+        """Cluster: forget a paused sandbox another node took over (its local files are stale)."""
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self._records.get(sandbox_id)
+            if rec is None or rec.state != SandboxState.PAUSED:
+                return
+            self._records.pop(sandbox_id, None)
+            await self._teardown(sandbox_id)
+        self.lifecycle.forget(sandbox_id)
+        await self.gc_artifacts()
+        log.info("released sandbox %s (now on another node)", sandbox_id)
+
+    def usage(self) -> tuple[int, int, int]:
+        """(active sandboxes incl. ones being created, their vCPUs, their memory MB): node load."""
+        active = [r for r in self._records.values() if r.state != SandboxState.PAUSED]
+        return (len(active) + self._creating, sum(r.cpu_count for r in active),
+                sum(r.memory_mb for r in active))
+
+    def paused_ids(self) -> set[str]:
+        return {sid for sid, r in self._records.items() if r.state == SandboxState.PAUSED}
 
     async def connect_sandbox(self, sandbox_id: str, timeout: int, *, team_id: str) -> tuple[SandboxRecord, bool]:
         self._check_timeout(timeout)
@@ -838,7 +905,10 @@ class Orchestrator:
         rec.state = transient
         ckpt = self._checkpoint_dir(rec.sandbox_id)
         full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
+        pinned = rec.memory_digest if rec.pause_mode != "filesystem" else None
         try:
+            if pinned:  # published pause: pulled from the snapshot store if this node lacks it
+                ckpt, full = await self._pin_memory(pinned), True
             await self._bring_up(rec, restore_from=ckpt if full else None,
                                  restore_token=rec.envd_access_token if full else None)
         except Exception as e:  # noqa: BLE001
@@ -850,7 +920,13 @@ class Orchestrator:
             await self.rootfs.unmount(rec.sandbox_id)
             rec.state = SandboxState.PAUSED
             raise RuntimeFailure(f"resume of sandbox {rec.sandbox_id} failed: {e}") from e
-        shutil.rmtree(ckpt, ignore_errors=True)
+        finally:
+            if pinned:
+                self._unpin_memory(pinned)
+        if pinned:
+            await self._drop_paused_memory(rec)
+        else:
+            shutil.rmtree(ckpt, ignore_errors=True)
         now = utcnow()
         rec.state = final
         rec.pause_mode = None

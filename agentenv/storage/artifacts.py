@@ -123,6 +123,15 @@ class ArtifactCache:
             await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
         await self.store.put_manifest(snap.snapshot_id, snap.to_manifest())
 
+    async def publish_blobs(self, layers: list[str], memory: str | None) -> None:
+        """Upload blobs (without a manifest): a paused sandbox's state for other nodes to resume."""
+        blobs = [("layers", d) for d in layers] + ([("memory", memory)] if memory else [])
+        for kind, digest in blobs:
+            if await self.local.has_blob(kind, digest):
+                await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
+            elif not await self.store.has_blob(kind, digest):
+                raise NotFound(f"{kind} {digest[:12]} is neither on this node nor in the snapshot store")
+
     async def find_manifest(self, id_or_name: str) -> SnapshotRecord | None:
         m = await self.store.get_manifest(id_or_name) if _plain(id_or_name) else None
         if m is None:

@@ -1,0 +1,340 @@
+"""`agentenv gateway`: the cluster's public API and sandbox-traffic entry.
+
+The gateway serves the very same control API as a single node (`api/app.py`, validated against
+`api/openapi.yaml`) by handing it `ClusterOrchestrator`, which implements the orchestrator's
+operations by routing them: creates go where the scheduler places them, calls on a sandbox go to
+the node that owns it (the binding is the sandbox's row in the shared state store), list calls
+fan out to every live node and are merged and paged here. Sandbox traffic (envd, user ports,
+WebSocket streams) is streamed by the usual `TrafficProxy` to the owning node's listener, which
+proxies it into the sandbox.
+
+Cross-node moves happen on resume: a paused sandbox whose node is gone or draining (or full) is
+adopted by the node the scheduler picks, which pulls its layers and memory image from the S3
+snapshot store. A sandbox whose node died while it ran is reported as lost (410) until killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from yarl import URL
+
+from agentenv.cluster.internal import Client
+from agentenv.config import Settings
+from agentenv.errors import AgentEnvError, Gone, Unavailable, sandbox_not_found
+from agentenv.models import NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, rfc3339
+
+log = logging.getLogger("agentenv.cluster.gateway")
+
+# Node answers after which another node is tried for the same create.
+_RETRY_ELSEWHERE = {"capacity_exhausted", "node_unreachable"}
+
+
+@dataclass
+class _Route:
+    """Duck-types proxy.traffic.SandboxRoute; host_ip is the owning node's listener host."""
+
+    sandbox_id: str
+    host_ip: str | None
+    state: str
+    envd_access_token: str | None
+    traffic_access_token: str | None
+    node_port: int = 80
+
+
+class ClusterOrchestrator:
+    """What `api.app` needs from an orchestrator, implemented by routing to the nodes."""
+
+    def __init__(self, settings: Settings, store, client: Client) -> None:
+        self.settings = settings
+        self.store = store
+        self.client = client
+        self.scheduler_url = (settings.scheduler_url or "").rstrip("/")
+        self._nodes: dict[str, NodeRecord] = {}
+        self._nodes_at = 0.0
+        self._routes: dict[str, tuple[float, _Route]] = {}
+        self.on_moved: list = []  # awaited with a sandbox id whose traffic must reconnect (pause, kill, move)
+
+    # ------------------------------------------------------------------ nodes and bindings
+
+    async def nodes(self, max_age_s: float = 0.5) -> dict[str, NodeRecord]:
+        if time.monotonic() - self._nodes_at > max_age_s:
+            self._nodes = {n.node_id: n for n in await self.store.list_nodes()}
+            self._nodes_at = time.monotonic()
+        return self._nodes
+
+    async def _alive(self, node_id: str) -> NodeRecord | None:
+        n = (await self.nodes()).get(node_id)
+        if n is None or n.state == "dead":
+            return None
+        return n
+
+    async def _record(self, sandbox_id: str, team_id: str | None) -> SandboxRecord:
+        rec = await self.store.get_sandbox(sandbox_id)
+        if rec is None or (team_id is not None and rec.team_id != team_id) or rec.state in (
+                SandboxState.KILLED, SandboxState.KILLING):
+            raise sandbox_not_found(sandbox_id)
+        return rec
+
+    def _lost(self, rec: SandboxRecord) -> Gone:
+        return Gone(f"Sandbox {rec.sandbox_id} was lost: its node {rec.node_id} stopped responding while it was "
+                    f"{'running' if rec.state == SandboxState.LOST else rec.state.value} (kill it to remove the record)",
+                    error_code="sandbox_lost")
+
+    async def _owner(self, rec: SandboxRecord) -> NodeRecord:
+        """The live node that holds `rec`, or the right error (lost; node unreachable)."""
+        if rec.state == SandboxState.LOST:
+            raise self._lost(rec)
+        node = await self._alive(rec.node_id)
+        if node is None:
+            raise Unavailable(f"Sandbox {rec.sandbox_id} is on node {rec.node_id}, which is not responding; retry "
+                              "later", error_code="node_unreachable", headers={"Retry-After": "2"})
+        return node
+
+    async def _on_owner(self, sandbox_id: str, team_id: str | None, method: str, **kw: Any) -> Any:
+        rec = await self._record(sandbox_id, team_id)
+        node = await self._owner(rec)
+        return await self.client.rpc(node.url, method, sandbox_id=sandbox_id, team_id=team_id, **kw)
+
+    async def _place(self, **req: Any) -> dict:
+        if not self.scheduler_url:
+            raise Unavailable("no scheduler configured (AGENTENV_SCHEDULER_URL)")
+        return await self.client.post(f"{self.scheduler_url}/internal/place", req, what="the scheduler")
+
+    def _release(self, reservation: int) -> None:
+        async def go() -> None:
+            try:
+                await self.client.post(f"{self.scheduler_url}/internal/release", {"reservation": reservation},
+                                       what="the scheduler")
+            except AgentEnvError as e:
+                log.warning("could not release reservation %s: %s", reservation, e.message)
+
+        asyncio.get_running_loop().create_task(go())
+
+    async def _placed(self, req: dict, method: str, **kw: Any) -> Any:
+        """Place `req`, run `method` on the chosen node; try another node if that one is full or away."""
+        exclude: list[str] = []
+        for _attempt in range(3):
+            placed = await self._place(**req, exclude=exclude)
+            try:
+                return await self.client.rpc(placed["url"], method, **kw)
+            except AgentEnvError as e:
+                if e.error_code not in _RETRY_ELSEWHERE or req.get("kind") == "fork":
+                    raise
+                log.info("node %s refused %s (%s); placing elsewhere", placed["node_id"], method, e.error_code)
+                exclude.append(placed["node_id"])
+                last = e
+            finally:
+                self._release(placed["reservation"])
+        raise last
+
+    # ------------------------------------------------------------------ the orchestrator's API
+
+    async def list_templates(self) -> list[TemplateRecord]:
+        return await self.store.list_templates()
+
+    async def create_sandbox(self, *, team_id: str, template: str, **kw: Any) -> SandboxRecord:
+        tmpl = await self.store.get_template(template)
+        cpu, mem, layers = self.settings.default_cpu_count, self.settings.default_memory_mb, []
+        if tmpl is not None:
+            cpu, mem = tmpl.cpu_count, tmpl.memory_mb
+        else:
+            snap = await self.store.get_snapshot(template)
+            if snap is not None and snap.team_id == team_id:
+                cpu, mem, layers = snap.cpu_count, snap.memory_mb, list(snap.layers)
+        return await self._placed({"kind": "create", "cpu": cpu, "memory_mb": mem, "layers": layers},
+                                  "create_sandbox", team_id=team_id, template=template, **kw)
+
+    async def list_sandboxes(self, *, team_id: str) -> list[SandboxRecord]:
+        """Fan out to every live node; merged (a sandbox moving between nodes is listed once)."""
+        nodes = [n for n in (await self.nodes(max_age_s=0.2)).values() if n.state != "dead"]
+        results = await asyncio.gather(*(self.client.rpc(n.url, "list_sandboxes", team_id=team_id) for n in nodes),
+                                       return_exceptions=True)
+        merged: dict[str, SandboxRecord] = {}
+        for n, res in zip(nodes, results):
+            if isinstance(res, BaseException):
+                log.warning("listing sandboxes of node %s failed: %s", n.node_id, res)
+                continue
+            for rec in res:
+                merged.setdefault(rec.sandbox_id, rec)
+        # Paused sandboxes of dead nodes are still resumable (their state is in the snapshot store).
+        alive = {n.node_id for n in nodes}
+        for rec in await self.store.list_sandboxes(team_id=team_id, states=[SandboxState.PAUSED]):
+            if rec.node_id not in alive:
+                merged.setdefault(rec.sandbox_id, rec)
+        return list(merged.values())
+
+    async def get_sandbox(self, sandbox_id: str, *, team_id: str) -> SandboxRecord:
+        rec = await self._record(sandbox_id, team_id)
+        if rec.state == SandboxState.PAUSED and await self._alive(rec.node_id) is None:
+            return rec
+        return await self._on_owner(sandbox_id, team_id, "get_sandbox")
+
+    async def kill_sandbox(self, sandbox_id: str, *, team_id: str | None) -> None:
+        rec = await self._record(sandbox_id, team_id)
+        if rec.state == SandboxState.LOST:
+            await self.store.delete_sandbox(sandbox_id)  # nothing left to stop: its node is gone
+        elif rec.state == SandboxState.PAUSED and await self._alive(rec.node_id) is None:
+            node = await self._move(rec)  # another node deletes its published state properly
+            await self.client.rpc(node["url"], "kill_sandbox", sandbox_id=sandbox_id, team_id=team_id)
+        else:
+            await self._on_owner(sandbox_id, team_id, "kill_sandbox")
+        await self._moved(sandbox_id)
+
+    async def set_timeout(self, sandbox_id: str, timeout: int, *, team_id: str) -> None:
+        await self._on_owner(sandbox_id, team_id, "set_timeout", timeout=timeout)
+
+    async def refresh(self, sandbox_id: str, duration: int, *, team_id: str) -> None:
+        await self._on_owner(sandbox_id, team_id, "refresh", duration=duration)
+
+    async def pause_sandbox(self, sandbox_id: str, *, team_id: str | None, memory: bool = True) -> None:
+        await self._moved(sandbox_id)
+        await self._on_owner(sandbox_id, team_id, "pause_sandbox", memory=memory)
+
+    async def _move(self, rec: SandboxRecord) -> dict:
+        """Have the node the scheduler picks adopt paused `rec` (unless its own node is still the best)."""
+        placed = await self._place(kind="resume", cpu=rec.cpu_count, memory_mb=rec.memory_mb, layers=rec.layers,
+                                   node=rec.node_id)
+        try:
+            if placed["node_id"] != rec.node_id:
+                await self.client.rpc(placed["url"], "adopt_sandbox", sandbox_id=rec.sandbox_id, from_node=rec.node_id)
+                old = await self._alive(rec.node_id)
+                if old is not None:  # best effort: it also notices on its next heartbeat
+                    try:
+                        await self.client.rpc(old.url, "release_sandbox", sandbox_id=rec.sandbox_id)
+                    except AgentEnvError as e:
+                        log.info("release of %s on %s: %s", rec.sandbox_id, rec.node_id, e.message)
+                log.info("moved paused sandbox %s from %s to %s", rec.sandbox_id, rec.node_id, placed["node_id"])
+            return placed
+        finally:
+            self._release(placed["reservation"])
+
+    async def connect_sandbox(self, sandbox_id: str, timeout: int, *, team_id: str) -> tuple[SandboxRecord, bool]:
+        rec = await self._record(sandbox_id, team_id)
+        if rec.state == SandboxState.PAUSED:
+            placed = await self._move(rec)
+            await self._moved(sandbox_id)
+            res = await self.client.rpc(placed["url"], "connect_sandbox", sandbox_id=sandbox_id, timeout=timeout,
+                                        team_id=team_id)
+        else:
+            res = await self._on_owner(sandbox_id, team_id, "connect_sandbox", timeout=timeout)
+        return res[0], bool(res[1])
+
+    async def fork_sandbox(self, sandbox_id: str, *, team_id: str, count: int | None = None,
+                           timeout: int | None = None) -> list:
+        rec = await self._record(sandbox_id, team_id)
+        owner = await self._owner(rec)
+        placed = await self._place(kind="fork", cpu=rec.cpu_count, memory_mb=rec.memory_mb, count=count or 1,
+                                   node=owner.node_id)
+        try:
+            return await self.client.rpc(owner.url, "fork_sandbox", sandbox_id=sandbox_id, team_id=team_id,
+                                         count=count, timeout=timeout)
+        finally:
+            self._release(placed["reservation"])
+
+    async def create_snapshot(self, sandbox_id: str, *, team_id: str, name: str | None = None,
+                              memory: bool = True) -> SnapshotRecord:
+        return await self._on_owner(sandbox_id, team_id, "create_snapshot", name=name, memory=memory)
+
+    async def _any_node(self) -> NodeRecord:
+        nodes = [n for n in (await self.nodes()).values() if n.state != "dead"]
+        if not nodes:
+            raise Unavailable("no node is up", error_code="cluster_full", headers={"Retry-After": "5"})
+        return min(nodes, key=lambda n: n.sandboxes)
+
+    async def list_snapshots(self, *, team_id: str, sandbox_id: str | None = None,
+                             name: str | None = None) -> list[SnapshotRecord]:
+        return await self.client.rpc((await self._any_node()).url, "list_snapshots", team_id=team_id,
+                                     sandbox_id=sandbox_id, name=name)
+
+    async def get_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> SnapshotRecord:
+        return await self.client.rpc((await self._any_node()).url, "get_snapshot",
+                                     snapshot_id_or_name=snapshot_id_or_name, team_id=team_id)
+
+    async def delete_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> None:
+        await self.client.rpc((await self._any_node()).url, "delete_snapshot",
+                              snapshot_id_or_name=snapshot_id_or_name, team_id=team_id)
+
+    # ------------------------------------------------------------------ traffic routing
+
+    async def _moved(self, sandbox_id: str) -> None:
+        self._routes.pop(sandbox_id, None)
+        for cb in self.on_moved:
+            await cb(sandbox_id)
+
+    async def resolve(self, sandbox_id: str) -> _Route | None:
+        hit = self._routes.get(sandbox_id)
+        if hit is not None and time.monotonic() - hit[0] < 2.0:
+            return hit[1]
+        rec = await self.store.get_sandbox(sandbox_id)
+        node = await self._alive(rec.node_id) if rec is not None else None
+        if rec is None or node is None or rec.state == SandboxState.LOST:
+            self._routes.pop(sandbox_id, None)
+            return None
+        url = URL(node.url)
+        route = _Route(sandbox_id, url.host, "running", rec.envd_access_token, rec.traffic_access_token,
+                       url.port or 80)
+        self._routes[sandbox_id] = (time.monotonic(), route)
+        if len(self._routes) > 50_000:
+            self._routes.clear()
+        return route
+
+    def running_routes(self):
+        """Signed /files URLs are matched against the sandboxes this gateway routed recently."""
+        return [r for _t, r in self._routes.values()]
+
+    @staticmethod
+    def port_override(route: _Route, port: int) -> tuple[str, int]:
+        """Sandbox traffic goes to the owning node's listener (its proxy reads the same headers)."""
+        return route.host_ip or "127.0.0.1", route.node_port
+
+
+async def run_gateway(settings: Settings) -> None:
+    from aiohttp import web
+
+    from agentenv.api.app import setup_api
+    from agentenv.api.auth import ApiKeyAuth
+    from agentenv.cluster._run import run_app
+    from agentenv.cluster.node import open_cluster_store
+    from agentenv.proxy import LISTENER_OPTIONS
+    from agentenv.proxy.traffic import TrafficProxy
+    from agentenv.server import _print_banner
+
+    if not settings.cluster_token:
+        raise SystemExit("agentenv gateway needs AGENTENV_CLUSTER_TOKEN")
+    store = open_cluster_store(settings)
+    await store.open()
+    client = Client(settings.cluster_token)
+    orch = ClusterOrchestrator(settings, store, client)
+    proxy = TrafficProxy(orch, domain=settings.domain, port_override=orch.port_override)
+    orch.on_moved.append(proxy.close_sandbox_connections)
+    auth = ApiKeyAuth(store)
+    api_key = None
+    if settings.bootstrap_api_key:
+        await auth.ensure_key(settings.bootstrap_api_key, "bootstrap")
+        api_key = settings.bootstrap_api_key
+
+    @web.middleware
+    async def sandbox_traffic(request: web.Request, handler):
+        if proxy.matches(request):
+            return await proxy.handle(request)
+        return await handler(request)
+
+    app = web.Application(middlewares=[sandbox_traffic], client_max_size=16 * 1024 * 1024)
+    setup_api(app, orch, auth, settings)
+    try:
+        async def on_started() -> None:
+            _print_banner(settings, api_key)
+
+        await run_app(app, settings.host, settings.port, on_started=on_started, **LISTENER_OPTIONS)
+    finally:
+        await proxy.close()
+        await client.close()
+        await store.close()
+
+
+__all__ = ["ClusterOrchestrator", "run_gateway", "rfc3339"]

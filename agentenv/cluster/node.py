@@ -1,0 +1,204 @@
+"""`agentenv node`: one host's orchestrator, runtime and sandbox traffic, as a member of a cluster.
+
+It is the single-node server (same orchestrator, API, traffic proxy) with three differences:
+- its state store is the cluster's PostgreSQL, seen through `NodeScopedStore`: it lists, writes
+  and deletes only its own sandboxes, and never overwrites one another node has taken over;
+- a pause publishes the sandbox's state to the S3 snapshot store, so any node can resume it;
+- it heartbeats its capacity and load into the node registry, and serves the internal RPC the
+  gateway uses (`POST /internal/rpc/<method>`, cluster token required).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from aiohttp import web
+
+from agentenv.cluster import codec
+from agentenv.cluster.internal import error_response, require_token
+from agentenv.config import Settings
+from agentenv.errors import AgentEnvError, BadRequest
+from agentenv.models import NodeRecord, SandboxRecord, SandboxState, utcnow
+
+log = logging.getLogger("agentenv.cluster.node")
+
+
+class NodeScopedStore:
+    """The shared cluster store as one node sees it (wraps a `ClusterStateStore`)."""
+
+    def __init__(self, inner, node_id: str) -> None:
+        self.inner = inner
+        self.node_id = node_id
+
+    def __getattr__(self, name: str) -> Any:  # templates, keys, snapshots, nodes: shared as they are
+        return getattr(self.inner, name)
+
+    async def put_sandbox(self, rec: SandboxRecord) -> None:
+        await self.inner.put_sandbox_of(rec, self.node_id)
+
+    async def delete_sandbox(self, sandbox_id: str) -> None:
+        await self.inner.delete_sandbox_of(sandbox_id, self.node_id)
+
+    async def list_sandboxes(self, *, team_id: str | None = None, states: list[SandboxState] | None = None,
+                             node_id: str | None = None) -> list[SandboxRecord]:
+        return await self.inner.list_sandboxes(team_id=team_id, states=states, node_id=self.node_id)
+
+    async def claim_sandbox(self, sandbox_id: str, from_node: str) -> bool:
+        return await self.inner.claim_sandbox(sandbox_id, from_node, self.node_id)
+
+
+def _meminfo_mb() -> tuple[int, int]:
+    """(total, in use) in MB, from /proc/meminfo."""
+    vals: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            vals[k] = int(v.split()[0])
+    total = vals.get("MemTotal", 0) // 1024
+    return total, total - vals.get("MemAvailable", 0) // 1024
+
+
+class NodeAgent:
+    """Heartbeats + internal RPC around one orchestrator."""
+
+    # Orchestrator operations the gateway may call (keyword arguments only).
+    RPC = ("create_sandbox", "list_sandboxes", "get_sandbox", "kill_sandbox", "set_timeout", "refresh",
+           "connect_sandbox", "pause_sandbox", "fork_sandbox", "create_snapshot", "list_snapshots",
+           "get_snapshot", "delete_snapshot", "list_templates", "adopt_sandbox", "release_sandbox")
+
+    def __init__(self, settings: Settings, components) -> None:
+        self.settings = settings
+        self.c = components
+        self.orch = components.orchestrator
+        self.store: NodeScopedStore = components.store
+        self.node_id = settings.node_id
+        self.url = (settings.node_url or settings.api_url()).rstrip("/")
+        self.draining = False
+        self.started_at = utcnow()
+        self._task: asyncio.Task | None = None
+
+    def status(self) -> NodeRecord:
+        count, cpu, mem = self.orch.usage()
+        total_mb, used_mb = _meminfo_mb()
+        ncpu = os.cpu_count() or 1
+        layers_dir = self.orch.artifacts.root / "layers"
+        cached = sorted(p.name for p in layers_dir.iterdir() if not p.name.startswith(".")) if layers_dir.exists() else []
+        return NodeRecord(
+            node_id=self.node_id, url=self.url, state="draining" if self.draining else "active", cpu_count=ncpu,
+            memory_mb=total_mb, max_sandboxes=self.settings.max_sandboxes, sandboxes=count, alloc_cpu=cpu,
+            alloc_memory_mb=mem, load=round(os.getloadavg()[0] / ncpu, 3), used_memory_mb=used_mb,
+            cached_layers=cached, started_at=self.started_at)
+
+    async def heartbeat(self) -> None:
+        await self.store.put_node(self.status())
+        # Paused sandboxes another node took over (while this one was away, or without a release call).
+        mine = self.orch.paused_ids()
+        if mine:
+            still = {r.sandbox_id for r in await self.store.list_sandboxes(states=[SandboxState.PAUSED])}
+            for sid in mine - still:
+                await self.orch.release_sandbox(sid)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                await self.heartbeat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the database may be briefly away: keep trying
+                log.warning("heartbeat failed: %s", e)
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ------------------------------------------------------------------ internal HTTP
+
+    async def rpc(self, request: web.Request) -> web.Response:
+        method = request.match_info["method"]
+        if method not in self.RPC:
+            return error_response(BadRequest(f"no internal method {method!r}"))
+        kwargs = codec.decode(await request.json())
+        try:
+            result = await getattr(self.orch, method)(**kwargs)
+        except AgentEnvError as e:
+            return error_response(e)
+        return web.json_response(codec.encode(result))
+
+    async def drain(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else {}
+        self.draining = bool(body.get("draining", True))
+        await self.heartbeat()
+        log.info("node %s %s", self.node_id, "draining" if self.draining else "accepting sandboxes again")
+        return web.json_response(codec.encode(self.status()))
+
+    async def status_handler(self, request: web.Request) -> web.Response:
+        return web.json_response(codec.encode(self.status()))
+
+    def add_routes(self, app: web.Application) -> None:
+        app.middlewares.insert(0, require_token(self.settings.cluster_token))
+        app.router.add_post("/internal/rpc/{method}", self.rpc)
+        app.router.add_post("/internal/drain", self.drain)
+        app.router.add_get("/internal/status", self.status_handler)
+
+
+def open_cluster_store(settings: Settings):
+    from agentenv.state.postgres import PostgresStateStore, is_postgres_url
+
+    if not is_postgres_url(settings.database_url):
+        raise SystemExit("cluster roles need AGENTENV_DATABASE_URL=postgresql://... (the shared state store)")
+    return PostgresStateStore(settings.database_url)
+
+
+async def run_node(settings: Settings, *, progress=None) -> None:
+    from agentenv.cluster._run import run_app
+    from agentenv.proxy import LISTENER_OPTIONS
+    from agentenv.runtimes._reaper import become_subreaper, reap_forever
+    from agentenv.server import build, make_app
+
+    if not settings.cluster_token:
+        raise SystemExit("agentenv node needs AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and nodes)")
+    become_subreaper()
+    reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
+    store = NodeScopedStore(open_cluster_store(settings), settings.node_id)
+    c = await build(settings, store=store, publish_paused=True)
+    agent = NodeAgent(settings, c)
+    started = False
+    try:
+        await c.images.ensure_base(progress)
+        await c.images.ensure_tools(progress)
+        await c.orchestrator.start()
+        started = True
+        app = make_app(c)
+        agent.add_routes(app)
+
+        async def on_started() -> None:
+            await agent.heartbeat()
+            agent.start()
+            print(f"agentenv node {settings.node_id} is serving at {agent.url}", flush=True)
+
+        await run_app(app, settings.host, settings.port, on_started=on_started, **LISTENER_OPTIONS)
+    finally:
+        log.info("node %s shutting down", settings.node_id)
+        await agent.stop()
+        if started:
+            agent.draining = True
+            try:
+                await agent.heartbeat()  # nothing new is placed here while we stop
+            except Exception:  # noqa: BLE001
+                pass
+            await c.orchestrator.stop()
+            try:  # left cleanly: its paused sandboxes (published) resume elsewhere; nothing is lost
+                await store.set_node_state(settings.node_id, "dead")
+            except Exception:  # noqa: BLE001
+                pass
+        await c.proxy.close()
+        await store.inner.close()
+        reaper.cancel()

@@ -1,0 +1,227 @@
+"""`agentenv scheduler`: where a sandbox goes, and which nodes are gone.
+
+Placement (`Placement.place`) filters and scores the nodes of the registry (heartbeats in the state
+store) instead of taking turns:
+
+- hard limits (admission control): the node is active (not draining, not dead, heartbeat fresh),
+  its active sandboxes + the placements in flight stay within its `max_sandboxes`, the memory the
+  sandboxes may use stays within its physical memory x `memory_overcommit`, and the memory actually
+  in use leaves room for the new sandbox. No node passes -> a typed 503 (`cluster_full`) with
+  Retry-After, never an overloaded node;
+- score (lower wins): how full the node is (the largest of its sandbox-count, allocated-vCPU and
+  allocated-memory fractions), plus its actually used CPU (load average per core) and memory,
+  minus a bonus for the fraction of the requested layers it already caches (creating from a
+  snapshot, resuming a paused sandbox elsewhere);
+- fork children go to the source's node (they restore from its local capture) or get the 503.
+
+Placements in flight are reserved until the gateway reports them done, so a burst of creates
+spreads out before the next heartbeats show the new load. The liveness sweep marks nodes whose
+heartbeats stopped dead and their sandboxes lost (`ClusterStateStore.expire_nodes`, one
+transaction, one scheduler at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from aiohttp import web
+
+from agentenv.cluster import codec
+from agentenv.cluster.internal import error_response, require_token
+from agentenv.config import Settings
+from agentenv.errors import AgentEnvError, BadRequest, Unavailable
+from agentenv.models import NodeRecord, utcnow
+
+log = logging.getLogger("agentenv.cluster.scheduler")
+
+
+@dataclass
+class Request:
+    kind: str = "create"  # create | resume | fork
+    cpu: int = 2
+    memory_mb: int = 1024
+    count: int = 1
+    layers: list[str] = field(default_factory=list)
+    node: str | None = None  # fork: the source's node; resume: the node that paused it
+    exclude: list[str] = field(default_factory=list)  # nodes that already refused this request
+
+
+@dataclass
+class _Reservation:
+    node_id: str
+    count: int
+    cpu: int
+    memory_mb: int
+    expires: float
+
+
+class Placement:
+    """Scores nodes; keeps the reservations of placements in flight (in memory, per scheduler)."""
+
+    def __init__(self, *, dead_after_s: float, memory_overcommit: float = 4.0, cpu_overcommit: float = 8.0,
+                 reservation_ttl_s: float = 120.0) -> None:
+        self.dead_after_s = dead_after_s
+        self.memory_overcommit = memory_overcommit
+        self.cpu_overcommit = cpu_overcommit
+        self.reservation_ttl_s = reservation_ttl_s
+        self._reservations: dict[int, _Reservation] = {}
+        self._ids = itertools.count(1)
+
+    def _pending(self, node_id: str) -> tuple[int, int, int]:
+        now = time.monotonic()
+        for rid in [r for r, v in self._reservations.items() if v.expires < now]:
+            del self._reservations[rid]
+        rs = [r for r in self._reservations.values() if r.node_id == node_id]
+        return sum(r.count for r in rs), sum(r.cpu for r in rs), sum(r.memory_mb for r in rs)
+
+    def fits(self, n: NodeRecord, req: Request) -> str | None:
+        """None if `n` can take `req` now, else why not."""
+        if n.state != "active":
+            return n.state
+        if (utcnow() - n.heartbeat_at) > timedelta(seconds=self.dead_after_s):
+            return "no recent heartbeat"
+        p_count, _p_cpu, p_mem = self._pending(n.node_id)
+        if n.sandboxes + p_count + req.count > n.max_sandboxes:
+            return f"at capacity ({n.sandboxes + p_count}/{n.max_sandboxes} sandboxes)"
+        if n.alloc_memory_mb + p_mem + req.memory_mb * req.count > n.memory_mb * self.memory_overcommit:
+            return "memory fully allocated"
+        if n.used_memory_mb + req.memory_mb // 4 * req.count > n.memory_mb * 0.95:
+            return "memory in use"
+        return None
+
+    def score(self, n: NodeRecord, req: Request) -> float:
+        p_count, p_cpu, p_mem = self._pending(n.node_id)
+        fullness = max((n.sandboxes + p_count) / max(n.max_sandboxes, 1),
+                       (n.alloc_cpu + p_cpu) / max(n.cpu_count * self.cpu_overcommit, 1),
+                       (n.alloc_memory_mb + p_mem) / max(n.memory_mb * self.memory_overcommit, 1))
+        used = 0.5 * min(n.load, 2.0) + 0.5 * n.used_memory_mb / max(n.memory_mb, 1)
+        cached = (len(set(req.layers) & set(n.cached_layers)) / len(req.layers)) if req.layers else 0.0
+        return fullness + 0.25 * used - 0.3 * cached
+
+    def place(self, nodes: list[NodeRecord], req: Request) -> tuple[NodeRecord, int]:
+        """The chosen node and a reservation id; raises the typed 503 when no node fits."""
+        if req.count < 1:
+            raise BadRequest("count must be >= 1")
+        candidates = [n for n in nodes if n.node_id not in req.exclude]
+        if req.kind == "fork":
+            candidates = [n for n in candidates if n.node_id == req.node]
+        refusals = {n.node_id: self.fits(n, req) for n in candidates}
+        ok = [n for n in candidates if refusals[n.node_id] is None]
+        if not ok:
+            raise self._full(req, refusals)
+        if req.kind == "resume" and req.node and any(n.node_id == req.node for n in ok):
+            best = next(n for n in ok if n.node_id == req.node)  # its files are still there
+        else:
+            best = min(ok, key=lambda n: (self.score(n, req), n.node_id))
+        rid = next(self._ids)
+        self._reservations[rid] = _Reservation(best.node_id, req.count, req.cpu * req.count,
+                                               req.memory_mb * req.count, time.monotonic() + self.reservation_ttl_s)
+        return best, rid
+
+    def release(self, rid: int) -> None:
+        self._reservations.pop(rid, None)
+
+    @staticmethod
+    def _full(req: Request, refusals: dict[str, str | None]) -> Unavailable:
+        why = "; ".join(f"{k}: {v}" for k, v in sorted(refusals.items())) or "no nodes registered"
+        what = "the source sandbox's node" if req.kind == "fork" else "no node"
+        return Unavailable(f"Cluster is full: {what} can take {req.count} more sandbox(es) now ({why}); "
+                           "retry after the Retry-After delay", error_code="cluster_full",
+                           headers={"Retry-After": "2", "Should-Retry": "true"})
+
+
+class SchedulerService:
+    def __init__(self, settings: Settings, store) -> None:
+        self.settings = settings
+        self.store = store
+        self.placement = Placement(dead_after_s=settings.node_dead_after_s)
+        self._nodes: list[NodeRecord] = []
+        self._nodes_at = 0.0
+        self._lock = asyncio.Lock()
+        self._sweeper: asyncio.Task | None = None
+
+    async def nodes(self, max_age_s: float = 0.25) -> list[NodeRecord]:
+        """The registry, re-read at most every `max_age_s` (placements come in bursts)."""
+        if time.monotonic() - self._nodes_at > max_age_s:
+            self._nodes = await self.store.list_nodes()
+            self._nodes_at = time.monotonic()
+        return self._nodes
+
+    async def place(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            req = Request(**{k: v for k, v in body.items() if k in Request.__dataclass_fields__})
+            async with self._lock:  # one decision at a time: each sees the previous reservation
+                node, rid = self.placement.place(await self.nodes(), req)
+        except AgentEnvError as e:
+            return error_response(e)
+        except TypeError as e:
+            return error_response(BadRequest(f"bad placement request: {e}"))
+        return web.json_response({"node_id": node.node_id, "url": node.url, "reservation": rid})
+
+    async def release(self, request: web.Request) -> web.Response:
+        self.placement.release(int((await request.json()).get("reservation", 0)))
+        return web.Response(status=204)
+
+    async def list_nodes(self, request: web.Request) -> web.Response:
+        return web.json_response(codec.encode(await self.store.list_nodes()))
+
+    async def sweep(self) -> dict[str, list[str]]:
+        lost = await self.store.expire_nodes(self.settings.node_dead_after_s)
+        for node_id, ids in lost.items():
+            log.warning("node %s stopped heartbeating: declared dead, %d sandbox(es) lost: %s", node_id, len(ids),
+                        ", ".join(ids[:20]))
+        if lost:
+            self._nodes_at = 0.0
+        return lost
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                log.warning("liveness sweep failed: %s", e)
+            await asyncio.sleep(min(self.settings.heartbeat_interval_s, self.settings.node_dead_after_s / 3))
+
+    def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="liveness-sweep")
+
+    async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[require_token(self.settings.cluster_token)])
+        app.router.add_post("/internal/place", self.place)
+        app.router.add_post("/internal/release", self.release)
+        app.router.add_get("/internal/nodes", self.list_nodes)
+        app.router.add_get("/health", lambda _r: web.Response(text="ok"))
+        return app
+
+
+async def run_scheduler(settings: Settings) -> None:
+    from agentenv.cluster._run import run_app
+    from agentenv.cluster.node import open_cluster_store
+
+    if not settings.cluster_token:
+        raise SystemExit("agentenv scheduler needs AGENTENV_CLUSTER_TOKEN")
+    store = open_cluster_store(settings)
+    await store.open()
+    svc = SchedulerService(settings, store)
+    try:
+        async def on_started() -> None:
+            svc.start()
+            print(f"agentenv scheduler is serving at http://{settings.host}:{settings.port}", flush=True)
+
+        await run_app(svc.app(), settings.host, settings.port, on_started=on_started)
+    finally:
+        await svc.stop()
+        await store.close()

@@ -1,0 +1,301 @@
+"""A whole agentenv cluster on one machine, shared by the cluster tests of a session.
+
+- a bridge in the root network namespace with the cluster's "LAN" (`LAN_PREFIX`.0/24);
+- three node hosts: each a network namespace with its own address on that LAN (a veth into the
+  bridge), running its own `agentenv node` process (own data dir, instance tag, slot subnet);
+- in the root namespace: a real PostgreSQL (initdb'd by the test), a real S3 server
+  (`rclone serve s3`), `agentenv scheduler` and `agentenv gateway`.
+
+The nodes run under `nsenter --net=` (network namespace only, so their mounts stay visible to the
+leftover checks). Teardown stops every process by PID, runs `agentenv gc` for each node inside its
+namespace (a node killed with -9 leaves its sandboxes running, as a lost machine would), checks
+that no container, netns, mount or process of any node is left, and removes the namespaces and
+the bridge — also when a test or the startup failed.
+
+Knobs (parallel sessions on one host need their own): AGENTENV_TEST_CLUSTER_LAN (default
+10.246.250), AGENTENV_TEST_CLUSTER_TAG (2 chars, default "cl": instance tags <tag>a/b/c),
+AGENTENV_TEST_CLUSTER_SUBNETS (three /16s, default 10.247.0.0/16,10.248.0.0/16,10.249.0.0/16),
+AGENTENV_TEST_CLUSTER_MAX_SANDBOXES (per node, default 16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import requests
+
+from leftovers import mounts_under, processes_mentioning, runsc_containers
+from pgserver import pg_bindir, start_postgres
+from s3server import start_s3
+from serverproc import agentenv_executable, free_port, log_tail, new_api_key, new_data_dir, remove_data_dir
+
+LAN = os.environ.get("AGENTENV_TEST_CLUSTER_LAN", "10.246.250")
+TAG = os.environ.get("AGENTENV_TEST_CLUSTER_TAG", "cl")
+SUBNETS = os.environ.get("AGENTENV_TEST_CLUSTER_SUBNETS", "10.247.0.0/16,10.248.0.0/16,10.249.0.0/16").split(",")
+MAX_SANDBOXES = int(os.environ.get("AGENTENV_TEST_CLUSTER_MAX_SANDBOXES", "16"))
+BRIDGE = f"ae{TAG}br"
+NODE_PORT = 3000
+HEARTBEAT_S = 1.0
+DEAD_AFTER_S = 5.0
+
+
+def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=60, check=check)
+
+
+@dataclass
+class Node:
+    name: str  # node id: a | b | c
+    netns: str
+    address: str
+    instance: str
+    subnet: str
+    data_dir: Path
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    killed: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{NODE_PORT}"
+
+    def start(self) -> None:
+        full = dict(os.environ)
+        for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
+            full.pop(k, None)
+        full.update(self.env)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(["nsenter", f"--net=/run/netns/{self.netns}", agentenv_executable(), "node"],
+                                     env=full, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.killed = False
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        self.killed = True
+
+    def stop(self, timeout: float = 90) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def gc(self) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        env.update(self.env)
+        return subprocess.run(["nsenter", f"--net=/run/netns/{self.netns}", agentenv_executable(), "gc",
+                               "--data-dir", str(self.data_dir)], env=env, capture_output=True, text=True,
+                              timeout=300, stdin=subprocess.DEVNULL)
+
+    def leftovers(self) -> list[str]:
+        out = [f"container {c}" for c in runsc_containers(self.data_dir)]
+        out += [f"mount {m}" for m in mounts_under(self.data_dir)]
+        ns = sh("ip", "netns", "list").stdout.split()
+        out += [f"netns {n}" for n in ns if n.startswith(f"agentenv-{self.instance}-")]
+        out += [f"process {p}" for p in processes_mentioning(str(self.data_dir.resolve()))]
+        return out
+
+    def log_tail(self, n: int = 60) -> str:
+        return log_tail(self.log_path, n)
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@dataclass
+class Cluster:
+    gateway: Proc
+    scheduler: Proc
+    nodes: dict[str, Node]
+    api_key: str
+    token: str
+    database_url: str
+    s3: object
+    work: Path
+    extra: dict = field(default_factory=dict)
+
+    def sdk_opts(self, **kw) -> dict:
+        return dict(api_key=self.api_key, api_url=self.gateway.url, sandbox_url=self.gateway.url, **kw)
+
+    def node_status(self) -> dict[str, dict]:
+        r = requests.get(f"{self.scheduler.url}/internal/nodes", headers={"X-Agentenv-Cluster-Token": self.token},
+                         timeout=10)
+        r.raise_for_status()
+        return {n["node_id"]: n for n in r.json()}
+
+    def drain(self, node: str, draining: bool = True) -> None:
+        r = requests.post(f"{self.nodes[node].url}/internal/drain", json={"draining": draining},
+                          headers={"X-Agentenv-Cluster-Token": self.token}, timeout=10)
+        r.raise_for_status()
+
+    def wait_nodes(self, names: list[str], timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            for n in names:
+                p = self.nodes[n].proc
+                if p is not None and p.poll() is not None:
+                    raise RuntimeError(f"node {n} exited ({p.returncode}):\n{self.nodes[n].log_tail()}")
+            try:
+                st = self.node_status()
+                if all(st.get(n, {}).get("state") == "active" for n in names) and all(
+                        requests.get(f"{self.nodes[n].url}/health", timeout=3).ok for n in names):
+                    return
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("nodes not up: " + "\n".join(f"--- {n}\n{self.nodes[n].log_tail()}" for n in names))
+            time.sleep(0.5)
+
+    def restart_node(self, name: str) -> None:
+        node = self.nodes[name]
+        node.stop()
+        node.start()
+        self.wait_nodes([name])
+
+
+def _netns_setup(nodes: list[tuple[str, str, str]]) -> None:
+    sh("ip", "link", "add", BRIDGE, "type", "bridge")
+    sh("ip", "addr", "add", f"{LAN}.1/24", "dev", BRIDGE)
+    sh("ip", "link", "set", BRIDGE, "up")
+    for name, netns, address in nodes:
+        sh("ip", "netns", "add", netns)
+        host_if, node_if = f"ae{TAG}{name}0", f"ae{TAG}{name}1"
+        sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if)
+        sh("ip", "link", "set", host_if, "master", BRIDGE, "up")
+        sh("ip", "link", "set", node_if, "netns", netns)
+        sh("ip", "-n", netns, "addr", "add", f"{address}/24", "dev", node_if)
+        sh("ip", "-n", netns, "link", "set", node_if, "up")
+        sh("ip", "-n", netns, "link", "set", "lo", "up")
+
+
+def _netns_teardown(nodes: list[tuple[str, str, str]]) -> None:
+    for name, netns, _address in nodes:
+        sh("ip", "link", "del", f"ae{TAG}{name}0", check=False)
+        sh("ip", "netns", "del", netns, check=False)
+    sh("ip", "link", "del", BRIDGE, check=False)
+
+
+def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: Path) -> Proc:
+    full = dict(os.environ)
+    full.update(env)
+    proc = subprocess.Popen([agentenv_executable(), role], env=full, stdin=subprocess.DEVNULL,
+                            stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True, cwd=work)
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{role} exited ({proc.returncode}):\n{log_tail(log_path)}")
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(f"{url}/health", timeout=2).ok:
+                return Proc(role, url, proc, log_path)
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{role} not healthy in 60 s:\n{log_tail(log_path)}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    if os.geteuid() != 0:
+        pytest.skip("the cluster tests need root (network namespaces, runsc)")
+    if pg_bindir() is None:
+        pytest.skip("PostgreSQL server not installed (apt-get install postgresql; scripts/setup.sh --test does it)")
+    if shutil.which("nsenter") is None or shutil.which("runsc") is None:
+        pytest.skip("nsenter or runsc missing")
+    specs = [(n, f"ae{TAG}-node-{n}", f"{LAN}.{11 + i}") for i, n in enumerate("abc")]
+    _netns_teardown(specs)  # a crashed earlier session's
+    stack = contextlib.ExitStack()
+    try:
+        stack.callback(_netns_teardown, specs)
+        _netns_setup(specs)
+        work = new_data_dir("cluster")
+        stack.callback(remove_data_dir, work)
+        pg = start_postgres(listen=("127.0.0.1", f"{LAN}.1"))
+        stack.callback(pg.stop)
+        s3 = start_s3(work / "s3", host=f"{LAN}.1")
+        stack.callback(s3.stop)
+        token = secrets.token_hex(16)
+        api_key = new_api_key()
+        common = {"AGENTENV_DATABASE_URL": pg.url(f"{LAN}.1"), "AGENTENV_CLUSTER_TOKEN": token,
+                  "AGENTENV_SNAPSHOT_STORE": "s3", "AGENTENV_S3_BUCKET": "cluster", "AGENTENV_S3_ENDPOINT": s3.endpoint,
+                  "AGENTENV_S3_ACCESS_KEY": s3.access_key, "AGENTENV_S3_SECRET_KEY": s3.secret_key,
+                  "AGENTENV_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "AGENTENV_NODE_DEAD_AFTER_S": str(DEAD_AFTER_S),
+                  "AGENTENV_LOG_LEVEL": "INFO"}
+        sched_port, gw_port = free_port(), free_port()
+        scheduler = _start_role("scheduler", {**common, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(sched_port)},
+                                f"http://127.0.0.1:{sched_port}", work / "scheduler.log", work)
+        stack.callback(scheduler.stop)
+        gateway = _start_role("gateway", {**common, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(gw_port),
+                                          "AGENTENV_SCHEDULER_URL": scheduler.url,
+                                          "AGENTENV_BOOTSTRAP_API_KEY": api_key},
+                              f"http://127.0.0.1:{gw_port}", work / "gateway.log", work)
+        stack.callback(gateway.stop)
+        nodes: dict[str, Node] = {}
+        for (name, netns, address), subnet in zip(specs, SUBNETS):
+            d = work.parent / f"{work.name}-node-{name}"
+            d.mkdir()
+            subprocess.run(["cp", "-al", str(work / "images"), str(d / "images")], check=True, timeout=300)
+            env = {**common, "AGENTENV_NODE_ID": name, "AGENTENV_NODE_URL": f"http://{address}:{NODE_PORT}",
+                   "AGENTENV_HOST": address, "AGENTENV_PORT": str(NODE_PORT), "AGENTENV_DATA_DIR": str(d),
+                   "AGENTENV_INSTANCE": f"{TAG}{name}", "AGENTENV_SLOT_SUBNET": subnet,
+                   "AGENTENV_MAX_SANDBOXES": str(MAX_SANDBOXES), "AGENTENV_ALLOW_INTERNET_ACCESS": "false"}
+            nodes[name] = Node(name, netns, address, f"{TAG}{name}", subnet, d, env, d / "node.log")
+
+        def stop_nodes() -> None:
+            problems = []
+            for n in nodes.values():
+                n.stop()
+            for n in nodes.values():
+                r = n.gc()
+                if r.returncode != 0:
+                    problems.append(f"gc of node {n.name} failed: {r.stdout[-800:]} {r.stderr[-800:]}")
+                left = n.leftovers()
+                if left:
+                    problems.append(f"node {n.name} left: {left}")
+            for n in nodes.values():
+                with contextlib.suppress(Exception):
+                    remove_data_dir(n.data_dir)
+            assert not problems, "\n".join(problems)
+
+        stack.callback(stop_nodes)
+        for n in nodes.values():
+            n.start()
+        c = Cluster(gateway, scheduler, nodes, api_key, token, pg.url(), s3, work)
+        c.wait_nodes(list(nodes))
+    except BaseException:
+        stack.close()
+        raise
+    with stack:
+        # the last callbacks registered run first: nodes (gc + leftovers), gateway, scheduler, S3,
+        # PostgreSQL, data dir, namespaces
+        yield c

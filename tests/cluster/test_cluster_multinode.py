@@ -1,0 +1,151 @@
+"""The cluster end to end through the unmodified E2B SDK pointed at the gateway.
+
+30 sandboxes spread by load over three nodes, commands, a fork (children on the source's node), a
+pause on node A resumed on node B, a pause on node C resumed elsewhere after C died, and node C
+killed with -9: its running sandboxes are reported lost, nothing new is placed on it, the rest
+keeps serving. Bindings (which node holds a sandbox) are read from the real PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from e2b import Sandbox
+
+from agentenv.state.postgres import PostgresStateStore
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1500)]
+
+
+def bindings(cluster, ids=None) -> dict[str, str]:
+    """sandbox id -> node id, as the shared state store has them."""
+
+    async def go():
+        s = PostgresStateStore(cluster.database_url, min_size=1, max_size=1)
+        await s.open()
+        try:
+            return {r.sandbox_id: (r.node_id, r.state.value) for r in await s.list_sandboxes()}
+        finally:
+            await s.close()
+
+    got = asyncio.run(go())
+    return {k: v for k, v in got.items() if ids is None or k in ids}
+
+
+def test_cluster_end_to_end(cluster):
+    opts = cluster.sdk_opts()
+    created: list[Sandbox] = []
+    try:
+        _scenario(cluster, opts, created)
+    except BaseException:
+        for name in ("gateway", "scheduler"):
+            print(f"--- {name} log\n" + open(getattr(cluster, name).log_path, errors="replace").read()[-4000:])
+        for n in cluster.nodes.values():
+            print(f"--- node {n.name} log\n{n.log_tail(40)}")
+        raise
+    finally:
+        for s in created:
+            try:
+                Sandbox.kill(s.sandbox_id, **opts)
+            except Exception:  # noqa: BLE001 - best effort; the fixture's gc removes the rest
+                pass
+        node_c = cluster.nodes["c"]
+        if node_c.killed:  # bring the cluster back to three nodes for the next tests
+            cluster.restart_node("c")
+
+
+def _scenario(cluster, opts, created):
+    # ---- 30 sandboxes, created concurrently, spread by load
+    with ThreadPoolExecutor(10) as pool:
+        sbxs = list(pool.map(lambda _i: Sandbox.create(timeout=900, request_timeout=300, **opts), range(30)))
+    created.extend(sbxs)
+    where = bindings(cluster, {s.sandbox_id for s in sbxs})
+    per_node = Counter(node for node, _state in where.values())
+    print("placement of 30 sandboxes:", dict(per_node))
+    assert len(where) == 30 and set(per_node) == {"a", "b", "c"}
+    assert max(per_node.values()) - min(per_node.values()) <= 4, f"not spread by load: {per_node}"
+
+    # ---- commands in every sandbox, through the gateway's traffic routing
+    with ThreadPoolExecutor(10) as pool:
+        outs = list(pool.map(lambda s: s.commands.run("echo $E2B_SANDBOX_ID; hostname").stdout.split(), sbxs))
+    assert [o[0] for o in outs] == [s.sandbox_id for s in sbxs]
+    listed = set()
+    paginator = Sandbox.list(**opts)
+    while paginator.has_next:
+        listed |= {i.sandbox_id for i in paginator.next_items()}
+    assert {s.sandbox_id for s in sbxs} <= listed, "list fan-out misses sandboxes"
+
+    # ---- fork: children on the source's node, with the source's state
+    src = sbxs[0]
+    src.files.write("/home/user/mark.txt", "before fork")
+    results = src.fork(count=2, timeout=600, request_timeout=300)
+    children = [r for r in results if isinstance(r, Sandbox)]
+    created.extend(children)
+    assert len(children) == 2, results
+    where = bindings(cluster)
+    assert {where[c.sandbox_id][0] for c in children} == {where[src.sandbox_id][0]}
+    for c in children:
+        assert c.files.read("/home/user/mark.txt") == "before fork"
+
+    # ---- pause on node A, resume on node B (A drains: the scheduler must place it elsewhere)
+    on_a = [s for s in sbxs[1:] if where[s.sandbox_id][0] == "a"]
+    moving = on_a[0]
+    moving.files.write("/home/user/state.txt", "paused on a")
+    pid = moving.commands.run("sleep 3600 >/dev/null 2>&1 & echo $!").stdout.strip()
+    assert moving.pause() is True
+    assert bindings(cluster)[moving.sandbox_id] == ("a", "paused")
+    cluster.drain("a")
+    try:
+        resumed = Sandbox.connect(moving.sandbox_id, timeout=600, **opts)
+        node, state = bindings(cluster)[moving.sandbox_id]
+        assert state == "running" and node != "a", (node, state)
+        assert resumed.files.read("/home/user/state.txt") == "paused on a"
+        assert resumed.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+        # draining: a new sandbox never lands on A
+        extra = Sandbox.create(timeout=600, **opts)
+        created.append(extra)
+        assert bindings(cluster)[extra.sandbox_id][0] != "a"
+    finally:
+        cluster.drain("a", False)
+
+    # ---- node C dies (kill -9): lost, not placed on, the rest keeps serving
+    where = bindings(cluster)
+    on_c = [s for s in sbxs[1:] if where.get(s.sandbox_id, ("", ""))[0] == "c"]
+    assert len(on_c) >= 3
+    parked = on_c[0]
+    parked.files.write("/home/user/parked.txt", "paused on c")
+    assert parked.pause() is True
+    running_on_c = on_c[1:]
+    cluster.nodes["c"].kill9()
+    deadline = time.monotonic() + 60
+    while cluster.node_status()["c"]["state"] != "dead":
+        assert time.monotonic() < deadline, "node c never declared dead"
+        time.sleep(0.5)
+    where = bindings(cluster)
+    assert all(where[s.sandbox_id] == ("c", "lost") for s in running_on_c)
+    assert where[parked.sandbox_id] == ("c", "paused")  # its state is in S3: not lost
+    for s in running_on_c[:3]:
+        with pytest.raises(Exception) as info:
+            Sandbox.connect(s.sandbox_id, **opts)
+        assert "lost" in str(info.value), info.value
+    listed = {i.sandbox_id for i in Sandbox.list(**opts).next_items()}
+    assert not listed & {s.sandbox_id for s in running_on_c}
+    # the paused sandbox of the dead node resumes on another one, from the snapshot store
+    back = Sandbox.connect(parked.sandbox_id, timeout=600, **opts)
+    assert bindings(cluster)[parked.sandbox_id][0] in ("a", "b")
+    assert back.files.read("/home/user/parked.txt") == "paused on c"
+    # new sandboxes only on live nodes; the others still answer
+    with ThreadPoolExecutor(4) as pool:
+        fresh = list(pool.map(lambda _i: Sandbox.create(timeout=600, **opts), range(4)))
+    created.extend(fresh)
+    assert {bindings(cluster)[s.sandbox_id][0] for s in fresh} <= {"a", "b"}
+    alive = [s for s in sbxs if where[s.sandbox_id][0] in ("a", "b") and s is not moving]
+    for s in alive[:6] + fresh:
+        assert s.commands.run("echo ok").stdout.strip() == "ok"
+    # killing a lost sandbox removes its record
+    Sandbox.kill(running_on_c[0].sandbox_id, **opts)
+    assert running_on_c[0].sandbox_id not in bindings(cluster)
