@@ -112,6 +112,11 @@ class Settings(BaseSettings):
     scheduler_url: str | None = None
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     node_dead_after_s: float = Field(default=10.0, gt=0)
+    # Scheduler: sandbox starts in flight per node (starting is the CPU-heavy part of a sandbox's life;
+    # more at once only makes every one of them slower).
+    max_starting_per_node: int = Field(default=4, ge=1)
+    # Gateway: how long a create waits for room in the cluster before the typed 503 (cluster_full).
+    admission_wait_s: float = Field(default=20.0, ge=0)
 
     # API key created on first start if none exists (printed by `serve`).
     bootstrap_api_key: str | None = Field(default=None)

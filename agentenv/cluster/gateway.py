@@ -146,7 +146,8 @@ class ClusterOrchestrator:
             snap = await self.store.get_snapshot(template)
             if snap is not None and snap.team_id == team_id:
                 cpu, mem, layers = snap.cpu_count, snap.memory_mb, list(snap.layers)
-        return await self._placed({"kind": "create", "cpu": cpu, "memory_mb": mem, "layers": layers},
+        return await self._placed({"kind": "create", "cpu": cpu, "memory_mb": mem, "layers": layers,
+                                   "wait_s": self.settings.admission_wait_s},
                                   "create_sandbox", team_id=team_id, template=template, **kw)
 
     async def list_sandboxes(self, *, team_id: str) -> list[SandboxRecord]:
@@ -198,7 +199,7 @@ class ClusterOrchestrator:
     async def _move(self, rec: SandboxRecord) -> dict:
         """Have the node the scheduler picks adopt paused `rec` (unless its own node is still the best)."""
         placed = await self._place(kind="resume", cpu=rec.cpu_count, memory_mb=rec.memory_mb, layers=rec.layers,
-                                   node=rec.node_id)
+                                   node=rec.node_id, wait_s=self.settings.admission_wait_s)
         try:
             if placed["node_id"] != rec.node_id:
                 await self.client.rpc(placed["url"], "adopt_sandbox", sandbox_id=rec.sandbox_id, from_node=rec.node_id)
@@ -229,7 +230,7 @@ class ClusterOrchestrator:
         rec = await self._record(sandbox_id, team_id)
         owner = await self._owner(rec)
         placed = await self._place(kind="fork", cpu=rec.cpu_count, memory_mb=rec.memory_mb, count=count or 1,
-                                   node=owner.node_id)
+                                   node=owner.node_id, wait_s=self.settings.admission_wait_s)
         try:
             return await self.client.rpc(owner.url, "fork_sandbox", sandbox_id=sandbox_id, team_id=team_id,
                                          count=count, timeout=timeout)

@@ -49,6 +49,7 @@ class Request:
     layers: list[str] = field(default_factory=list)
     node: str | None = None  # fork: the source's node; resume: the node that paused it
     exclude: list[str] = field(default_factory=list)  # nodes that already refused this request
+    wait_s: float = 0.0  # how long to wait for room before answering 503
 
 
 @dataclass
@@ -63,9 +64,10 @@ class _Reservation:
 class Placement:
     """Scores nodes; keeps the reservations of placements in flight (in memory, per scheduler)."""
 
-    def __init__(self, *, dead_after_s: float, memory_overcommit: float = 4.0, cpu_overcommit: float = 8.0,
-                 reservation_ttl_s: float = 120.0) -> None:
+    def __init__(self, *, dead_after_s: float, max_starting: int = 4, memory_overcommit: float = 4.0,
+                 cpu_overcommit: float = 8.0, reservation_ttl_s: float = 120.0) -> None:
         self.dead_after_s = dead_after_s
+        self.max_starting = max_starting
         self.memory_overcommit = memory_overcommit
         self.cpu_overcommit = cpu_overcommit
         self.reservation_ttl_s = reservation_ttl_s
@@ -88,6 +90,8 @@ class Placement:
         p_count, _p_cpu, p_mem = self._pending(n.node_id)
         if n.sandboxes + p_count + req.count > n.max_sandboxes:
             return f"at capacity ({n.sandboxes + p_count}/{n.max_sandboxes} sandboxes)"
+        if p_count and p_count + req.count > self.max_starting:
+            return f"busy starting {p_count} sandboxes"
         if n.alloc_memory_mb + p_mem + req.memory_mb * req.count > n.memory_mb * self.memory_overcommit:
             return "memory fully allocated"
         if n.used_memory_mb + req.memory_mb // 4 * req.count > n.memory_mb * 0.95:
@@ -130,16 +134,19 @@ class Placement:
     def _full(req: Request, refusals: dict[str, str | None]) -> Unavailable:
         why = "; ".join(f"{k}: {v}" for k, v in sorted(refusals.items())) or "no nodes registered"
         what = "the source sandbox's node" if req.kind == "fork" else "no node"
+        starting = bool(refusals) and all((v or "").startswith("busy starting") for v in refusals.values())
         return Unavailable(f"Cluster is full: {what} can take {req.count} more sandbox(es) now ({why}); "
                            "retry after the Retry-After delay", error_code="cluster_full",
-                           headers={"Retry-After": "2", "Should-Retry": "true"})
+                           headers={"Retry-After": "1" if starting else "3", "Should-Retry": "true"})
 
 
 class SchedulerService:
     def __init__(self, settings: Settings, store) -> None:
         self.settings = settings
         self.store = store
-        self.placement = Placement(dead_after_s=settings.node_dead_after_s)
+        self.placement = Placement(dead_after_s=settings.node_dead_after_s,
+                                   max_starting=settings.max_starting_per_node)
+        self._room = asyncio.Condition()
         self._nodes: list[NodeRecord] = []
         self._nodes_at = 0.0
         self._lock = asyncio.Lock()
@@ -156,16 +163,39 @@ class SchedulerService:
         body = await request.json()
         try:
             req = Request(**{k: v for k, v in body.items() if k in Request.__dataclass_fields__})
-            async with self._lock:  # one decision at a time: each sees the previous reservation
-                node, rid = self.placement.place(await self.nodes(), req)
+            node, rid = await self._place_waiting(req)
         except AgentEnvError as e:
             return error_response(e)
         except TypeError as e:
             return error_response(BadRequest(f"bad placement request: {e}"))
         return web.json_response({"node_id": node.node_id, "url": node.url, "reservation": rid})
 
+    async def _place_waiting(self, req: Request) -> tuple[NodeRecord, int]:
+        """Place now, or wait (up to req.wait_s) for a release or a heartbeat to make room.
+
+        Waiting requests park here, cheaply, instead of clients polling; each wakes on every
+        release and re-checks. When the wait is over the typed 503 goes back with Retry-After.
+        """
+        deadline = time.monotonic() + min(max(req.wait_s, 0.0), 300.0)
+        while True:
+            try:
+                async with self._lock:  # one decision at a time: each sees the previous reservation
+                    return self.placement.place(await self.nodes(), req)
+            except Unavailable:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                async with self._room:
+                    try:  # heartbeats change the picture too: look again at least every second
+                        await asyncio.wait_for(self._room.wait(), timeout=min(left, 1.0))
+                    except asyncio.TimeoutError:
+                        pass
+
     async def release(self, request: web.Request) -> web.Response:
         self.placement.release(int((await request.json()).get("reservation", 0)))
+        self._nodes_at = 0.0  # the finished start shows in the node's next heartbeat
+        async with self._room:
+            self._room.notify_all()
         return web.Response(status=204)
 
     async def list_nodes(self, request: web.Request) -> web.Response:
