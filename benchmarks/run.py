@@ -1107,6 +1107,17 @@ def report(res: dict) -> str:
                          f"{r['p99'] * 1000:.2f} ms | {'–' if cpu is None else f'{cpu:.3f} ms'} | "
                          f"{r['non_2xx']} / {r['socket_errors']} |")
         L.append("")
+    cl = res.get("cluster")
+    if cl:
+        L += ["### 7. Cluster: scheduling overhead per create", "",
+              "| `Sandbox.create()` | n | p50 | p95 | max |", "|---|---|---|---|---|"]
+        for label, k in [("through the gateway (auth in PostgreSQL, placement, node RPC)", "gateway_create"),
+                         ("directly to the node's own API", "direct_create"),
+                         ("`get_info()` through the gateway", "gateway_info"),
+                         ("`get_info()` directly to the node", "direct_info")]:
+            st = cl[k]
+            L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
+        L += ["", f"Overhead of the gateway + scheduler at p50: {ms(cl['overhead_p50'])}.", ""]
     if res.get("errors"):
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
     mt = res.get("metrics")
@@ -1141,13 +1152,103 @@ def report(res: dict) -> str:
     return "\n".join(L)
 
 
+# ---------------------------------------------------------------- cluster: scheduling overhead
+
+def cluster_bench(quick: bool) -> dict:
+    """Create latency through the gateway (auth + placement + node RPC) vs straight to the node's own API.
+
+    One node (root network namespace, loopback), a scheduler, a gateway and a real PostgreSQL
+    (initdb'd into a temp dir, as the cluster tests do). Creates alternate between the two paths
+    in one run, so both see the same machine load.
+    """
+    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "cluster"))
+    from pgserver import start_postgres  # noqa: E402
+    import requests
+    from e2b import Sandbox
+
+    n = 8 if quick else 20
+    data = BENCH_DIR.parent / (BENCH_DIR.name + "-cluster-node")
+    data.mkdir(parents=True, exist_ok=True)
+    if not (data / "images").exists() and TEST_IMAGES.is_dir():
+        subprocess.run(["cp", "-al", str(TEST_IMAGES), str(data / "images")], check=True)
+    pg = start_postgres()
+    procs: list[subprocess.Popen] = []
+    key, token = "e2b_" + secrets.token_hex(20), secrets.token_hex(16)
+    common = dict(os.environ, AGENTENV_DATABASE_URL=pg.url(), AGENTENV_CLUSTER_TOKEN=token,
+                  AGENTENV_HOST="127.0.0.1", AGENTENV_HEARTBEAT_INTERVAL_S="1")
+    ports = {r: free_port() for r in ("node", "scheduler", "gateway")}
+    urls = {r: f"http://127.0.0.1:{p}" for r, p in ports.items()}
+    out: dict = {"n": n}
+    try:
+        envs = {
+            "scheduler": dict(common, AGENTENV_PORT=str(ports["scheduler"])),
+            "gateway": dict(common, AGENTENV_PORT=str(ports["gateway"]), AGENTENV_SCHEDULER_URL=urls["scheduler"],
+                            AGENTENV_BOOTSTRAP_API_KEY=key),
+            "node": dict(common, AGENTENV_PORT=str(ports["node"]), AGENTENV_DATA_DIR=str(data),
+                         AGENTENV_NODE_ID="bench", AGENTENV_NODE_URL=urls["node"]),
+        }
+        for role in ("scheduler", "gateway", "node"):
+            with open(data / f"{role}.log", "wb") as f:
+                procs.append(subprocess.Popen([AGENTENV, role], env=envs[role], stdin=subprocess.DEVNULL, stdout=f,
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                nodes = requests.get(f"{urls['scheduler']}/internal/nodes", timeout=3,
+                                     headers={"X-Agentenv-Cluster-Token": token}).json()
+                if nodes and all(requests.get(f"{u}/health", timeout=3).ok for u in urls.values()):
+                    break
+            except Exception:  # noqa: BLE001
+                pass
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"cluster did not come up; see {data}/*.log")
+            time.sleep(0.5)
+        time.sleep(8)  # the node's warm image
+        timings: dict[str, list[float]] = {"gateway": [], "direct": [], "gateway_info": [], "direct_info": []}
+        for i in range(2 * n + 2):
+            path = "gateway" if i % 2 == 0 else "direct"
+            url = urls["gateway" if path == "gateway" else "node"]
+            t0 = time.perf_counter()
+            sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url, timeout=120)
+            dt = time.perf_counter() - t0
+            infos = []
+            for _ in range(5):  # a cheap control call: the fixed cost of the extra hop
+                t1 = time.perf_counter()
+                sbx.get_info()
+                infos.append(time.perf_counter() - t1)
+            sbx.kill()
+            if i >= 2:  # the first of each path warms connections and caches
+                timings[path].append(dt)
+                timings[f"{path}_info"] += infos
+        out["gateway_create"] = stats(timings["gateway"])
+        out["direct_create"] = stats(timings["direct"])
+        out["overhead_p50"] = out["gateway_create"]["p50"] - out["direct_create"]["p50"]
+        out["gateway_info"] = stats(timings["gateway_info"])
+        out["direct_info"] = stats(timings["direct_info"])
+        log(f"cluster: create p50 via gateway {out['gateway_create']['p50']*1000:.0f} ms, direct "
+            f"{out['direct_create']['p50']*1000:.0f} ms")
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        pg.stop()
+        env = dict(os.environ, AGENTENV_DATA_DIR=str(data))
+        subprocess.run([AGENTENV, "gc"], env=env, capture_output=True, timeout=180, stdin=subprocess.DEVNULL)
+    return out
+
+
 # ---------------------------------------------------------------- main
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
     ap.add_argument("--only", default="",
-                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics")
+                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics,cluster")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)
@@ -1161,17 +1262,21 @@ def main() -> int:
     raw = None
     rc = 0
     try:
-        if only and only <= SERVERLESS_STEPS:
-            b = Bench(args.quick, None, None)
-        else:
-            srv.prepare()
-            srv.start()
-            if not (only and only <= SERVERLESS_STEPS | RAWLESS_STEPS):
-                raw = Raw(BENCH_DIR)
-                raw.run(raw.setup())
-            b = Bench(args.quick, srv, raw)
-        b.run_all(only)
-        res.update(b.results)
+        steps = only - {"cluster"}
+        if not only or steps:
+            if steps and steps <= SERVERLESS_STEPS:
+                b = Bench(args.quick, None, None)
+            else:
+                srv.prepare()
+                srv.start()
+                if not (steps and steps <= SERVERLESS_STEPS | RAWLESS_STEPS):
+                    raw = Raw(BENCH_DIR)
+                    raw.run(raw.setup())
+                b = Bench(args.quick, srv, raw)
+            b.run_all(steps)
+            res.update(b.results)
+        if not only or "cluster" in only:
+            res["cluster"] = cluster_bench(args.quick)
     except Exception:  # noqa: BLE001
         res.setdefault("errors", {})["main"] = traceback.format_exc()
         log(traceback.format_exc())
@@ -1182,7 +1287,8 @@ def main() -> int:
                 raw.run(raw.destroy_all())
             except Exception as e:  # noqa: BLE001
                 log(f"raw cleanup: {e}")
-        srv.stop()
+        if srv.proc is not None:
+            srv.stop()
         res["meta"]["gc"] = srv.gc()
         left = sh(["sh", "-c", f"grep -c ' {BENCH_DIR}' /proc/self/mountinfo; "
                    f"runsc --root={BENCH_DIR}/run/runsc list -q 2>/dev/null | wc -l; "
