@@ -19,11 +19,11 @@ from typing import Any
 
 import asyncpg
 
-from agentenv.models import (ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord,
-                             utcnow)
+from agentenv.models import (ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TeamRecord,
+                             TemplateRecord, utcnow)
 from agentenv.orchestrator.lifecycle import SURVIVES_NODE_LOSS
-from agentenv.state.sqlite import (_KEY_COLS, _SANDBOX_COLS, _SNAPSHOT_COLS, _TEMPLATE_COLS, SQLiteStateStore,
-                                   _dt, _ts)
+from agentenv.state.sqlite import (_KEY_COLS, _SANDBOX_COLS, _SNAPSHOT_COLS, _TEAM_COLS, _TEMPLATE_COLS,
+                                   SQLiteStateStore, _dt, _ts)
 
 # Append-only, like the SQLite store's. Integers are BIGINT-compatible; booleans stay 0/1 integers
 # so rows convert with the SQLite store's functions.
@@ -59,6 +59,10 @@ MIGRATIONS: list[str] = [
         size_bytes BIGINT NOT NULL DEFAULT 0, restore_token TEXT, created_at TEXT NOT NULL
     );
     CREATE INDEX snapshots_team ON snapshots (team_id, created_at);
+    CREATE TABLE teams (
+        team_id TEXT PRIMARY KEY, name TEXT NOT NULL, max_sandboxes INTEGER, created_at TEXT NOT NULL
+    );
+    CREATE INDEX api_keys_team ON api_keys (team_id);
     CREATE TABLE nodes (
         node_id TEXT PRIMARY KEY, url TEXT NOT NULL, state TEXT NOT NULL, info TEXT NOT NULL,
         heartbeat_at TIMESTAMPTZ NOT NULL, started_at TIMESTAMPTZ NOT NULL
@@ -203,8 +207,26 @@ class PostgresStateStore:
         row = await self._p.fetchrow("SELECT * FROM api_keys WHERE key_hash = $1", key_hash)
         return SQLiteStateStore._key(row) if row else None
 
-    async def list_api_keys(self) -> list[ApiKeyRecord]:
-        return [SQLiteStateStore._key(r) for r in await self._p.fetch("SELECT * FROM api_keys ORDER BY created_at, key_id")]
+    async def list_api_keys(self, *, team_id: str | None = None) -> list[ApiKeyRecord]:
+        if team_id is None:
+            rows = await self._p.fetch("SELECT * FROM api_keys ORDER BY created_at, key_id")
+        else:
+            rows = await self._p.fetch("SELECT * FROM api_keys WHERE team_id = $1 ORDER BY created_at, key_id", team_id)
+        return [SQLiteStateStore._key(r) for r in rows]
+
+    # teams --------------------------------------------------------------------------------------
+
+    async def put_team(self, rec: TeamRecord) -> None:
+        v = {"team_id": rec.team_id, "name": rec.name, "max_sandboxes": rec.max_sandboxes,
+             "created_at": _ts(rec.created_at)}
+        await self._p.execute(_upsert_sql("teams", _TEAM_COLS, "team_id"), *[v[c] for c in _TEAM_COLS])
+
+    async def get_team(self, team_id: str) -> TeamRecord | None:
+        row = await self._p.fetchrow("SELECT * FROM teams WHERE team_id = $1", team_id)
+        return SQLiteStateStore._team(row) if row else None
+
+    async def list_teams(self) -> list[TeamRecord]:
+        return [SQLiteStateStore._team(r) for r in await self._p.fetch("SELECT * FROM teams ORDER BY created_at, team_id")]
 
     async def revoke_api_key(self, key_id: str) -> bool:
         return (await self._p.execute("UPDATE api_keys SET revoked = 1 WHERE key_id = $1", key_id)).endswith(" 1")

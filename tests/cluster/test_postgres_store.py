@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.models import ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord
+from agentenv.models import ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TeamRecord, TemplateRecord
 from agentenv.state.postgres import MIGRATIONS, PostgresStateStore
 
 from pgserver import pg_bindir, start_postgres
@@ -43,7 +43,7 @@ async def store(pg):
     try:
         yield s
     finally:
-        for t in ("sandboxes", "templates", "api_keys", "snapshots", "nodes"):
+        for t in ("sandboxes", "templates", "api_keys", "snapshots", "nodes", "teams"):
             await s._p.execute(f"DELETE FROM {t}")
         await s.close()
 
@@ -89,6 +89,11 @@ async def test_templates_keys_snapshots(store):
     assert await store.find_api_key("h" * 64) == key
     assert await store.revoke_api_key("k1") and (await store.find_api_key("h" * 64)).revoked
     assert not await store.revoke_api_key("missing")
+    await store.put_team(TeamRecord("t-a", "Team A", max_sandboxes=3))
+    assert (await store.get_team("t-a")).max_sandboxes == 3
+    assert [t.team_id for t in await store.list_teams()] == ["t-a"]
+    assert [k.key_id for k in await store.list_api_keys(team_id="default")] == ["k1"]
+    assert await store.list_api_keys(team_id="t-a") == []
     snap = SnapshotRecord("s1", "default", ["named"], "i1", "base", "base", ["l"], "m", 2, 512, 1024)
     await store.put_snapshot(snap)
     assert (await store.get_snapshot("named")).snapshot_id == "s1"
