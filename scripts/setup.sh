@@ -83,6 +83,10 @@ fi
 if [ "$WITH_TEST" -eq 1 ] && ! command -v chromium >/dev/null 2>&1; then
   SYSTEM_PKGS+=(chromium)
 fi
+if [ "$WITH_TEST" -eq 1 ]; then
+  # A real PostgreSQL server for the cluster tests (initdb'd into a temp dir by tests/cluster).
+  SYSTEM_PKGS+=(postgresql)
+fi
 apt_install "${SYSTEM_PKGS[@]}"
 command -v runsc >/dev/null 2>&1 || die "runsc (gVisor) is not installed and could not be installed"
 
