@@ -307,6 +307,9 @@ async def run_gateway(settings: Settings) -> None:
 
     if not settings.cluster_token:
         raise SystemExit("agentenv gateway needs AGENTENV_CLUSTER_TOKEN")
+    from agentenv.cluster.node import configure_role_logging
+
+    configure_role_logging(settings)
     store = open_cluster_store(settings)
     await store.open()
     client = Client(settings.cluster_token)

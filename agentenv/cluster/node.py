@@ -149,6 +149,13 @@ class NodeAgent:
         app.router.add_get("/internal/status", self.status_handler)
 
 
+def configure_role_logging(settings: Settings) -> None:
+    """Same log format as `serve` (JSON lines by default)."""
+    from agentenv.observability.logs import configure_logging
+
+    configure_logging(logging.getLevelName(logging.getLogger().level), settings.log_format)
+
+
 def open_cluster_store(settings: Settings):
     from agentenv.state.postgres import PostgresStateStore, is_postgres_url
 
@@ -165,6 +172,7 @@ async def run_node(settings: Settings, *, progress=None) -> None:
 
     if not settings.cluster_token:
         raise SystemExit("agentenv node needs AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and nodes)")
+    configure_role_logging(settings)
     become_subreaper()
     reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
     store = NodeScopedStore(open_cluster_store(settings), settings.node_id)
@@ -176,6 +184,8 @@ async def run_node(settings: Settings, *, progress=None) -> None:
         await c.images.ensure_tools(progress)
         await c.orchestrator.start()
         started = True
+        if c.observability is not None:
+            await c.observability.start()
         app = make_app(c)
         agent.add_routes(app)
 
@@ -195,6 +205,8 @@ async def run_node(settings: Settings, *, progress=None) -> None:
             except Exception:  # noqa: BLE001
                 pass
             await c.orchestrator.stop()
+            if c.observability is not None:
+                await c.observability.stop()
             try:  # left cleanly: its paused sandboxes (published) resume elsewhere; nothing is lost
                 await store.set_node_state(settings.node_id, "dead")
             except Exception:  # noqa: BLE001

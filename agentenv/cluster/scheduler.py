@@ -243,6 +243,9 @@ async def run_scheduler(settings: Settings) -> None:
 
     if not settings.cluster_token:
         raise SystemExit("agentenv scheduler needs AGENTENV_CLUSTER_TOKEN")
+    from agentenv.cluster.node import configure_role_logging
+
+    configure_role_logging(settings)
     store = open_cluster_store(settings)
     await store.open()
     svc = SchedulerService(settings, store)
