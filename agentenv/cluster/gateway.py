@@ -288,6 +288,19 @@ class ClusterOrchestrator:
         """Signed /files URLs are matched against the sandboxes this gateway routed recently."""
         return [r for _t, r in self._routes.values()]
 
+    async def forward_get(self, request, sandbox_id: str):
+        """A sandbox-scoped read the node answers from its own data (metrics, logs): relayed as is.
+
+        The node authenticates the same API key against the shared store."""
+        from aiohttp import web
+
+        rec = await self._record(sandbox_id, None)
+        node = await self._owner(rec)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("x-api-key", "accept")}
+        async with self.client.session.get(f"{node.url}{request.rel_url}", headers=headers) as resp:
+            body = await resp.read()
+            return web.Response(body=body, status=resp.status, content_type=resp.content_type)
+
     @staticmethod
     def port_override(route: _Route, port: int) -> tuple[str, int]:
         """Sandbox traffic goes to the owning node's listener (its proxy reads the same headers)."""
@@ -322,10 +335,25 @@ async def run_gateway(settings: Settings) -> None:
         await auth.ensure_key(settings.bootstrap_api_key, "bootstrap")
         api_key = settings.bootstrap_api_key
 
+    import re
+
+    from agentenv.api.app import _error_response
+
+    node_reads = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]+)/(?:metrics|logs)$")
+
     @web.middleware
     async def sandbox_traffic(request: web.Request, handler):
         if proxy.matches(request):
             return await proxy.handle(request)
+        m = node_reads.match(request.path) if request.method == "GET" else None
+        if m is not None:  # answered by the node that holds the sandbox's metrics and logs
+            try:
+                await auth.authenticate(request.headers.get("X-API-KEY"))
+                return await orch.forward_get(request, m.group(1))
+            except AgentEnvError as e:
+                resp = _error_response(e.status, e.to_json())
+                resp.headers.update(e.headers)
+                return resp
         return await handler(request)
 
     app = web.Application(middlewares=[sandbox_traffic], client_max_size=16 * 1024 * 1024)

@@ -78,6 +78,8 @@ def _scenario(cluster, opts, created):
     while paginator.has_next:
         listed |= {i.sandbox_id for i in paginator.next_items()}
     assert {s.sandbox_id for s in sbxs} <= listed, "list fan-out misses sandboxes"
+    # node-local reads (metrics) are relayed to the owning node
+    assert isinstance(sbxs[1].get_metrics(), list)
 
     # ---- fork: children on the source's node, with the source's state
     src = sbxs[0]
