@@ -875,7 +875,9 @@ class Orchestrator:
     def usage(self) -> tuple[int, int, int]:
         """(active sandboxes incl. ones being created, their vCPUs, their memory MB): node load."""
         active = [r for r in self._records.values() if r.state != SandboxState.PAUSED]
-        return (len(active) + self._creating, sum(r.cpu_count for r in active),
+        # A start counts once: `_creating` covers it before its record exists and while it boots.
+        booting = sum(1 for r in active if r.state == SandboxState.CREATING)
+        return (len(active) + max(0, self._creating - booting), sum(r.cpu_count for r in active),
                 sum(r.memory_mb for r in active))
 
     def paused_ids(self) -> set[str]:

@@ -250,7 +250,8 @@ def cluster() -> Cluster:
                   "AGENTENV_SNAPSHOT_STORE": "s3", "AGENTENV_S3_BUCKET": "cluster", "AGENTENV_S3_ENDPOINT": s3.endpoint,
                   "AGENTENV_S3_ACCESS_KEY": s3.access_key, "AGENTENV_S3_SECRET_KEY": s3.secret_key,
                   "AGENTENV_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "AGENTENV_NODE_DEAD_AFTER_S": str(DEAD_AFTER_S),
-                  "AGENTENV_LOG_LEVEL": "INFO"}
+                  "AGENTENV_LOG_LEVEL": "INFO", "AGENTENV_MAX_STARTING_PER_NODE": "2",
+                  "AGENTENV_ADMISSION_WAIT_S": "30"}
         sched_port, gw_port = free_port(), free_port()
         scheduler = _start_role("scheduler", {**common, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(sched_port)},
                                 f"http://127.0.0.1:{sched_port}", work / "scheduler.log", work)
