@@ -327,7 +327,7 @@ async def run_gateway(settings: Settings) -> None:
     await store.open()
     client = Client(settings.cluster_token)
     orch = ClusterOrchestrator(settings, store, client)
-    proxy = TrafficProxy(orch, domain=settings.domain, port_override=orch.port_override)
+    proxy = TrafficProxy(orch, domain=settings.sandbox_domain(), port_override=orch.port_override)
     orch.on_moved.append(proxy.close_sandbox_connections)
     auth = ApiKeyAuth(store)
     api_key = None

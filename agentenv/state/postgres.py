@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 
 from agentenv.models import (ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TeamRecord,
-                             TemplateRecord, utcnow)
+                             TemplateBuildRecord, TemplateRecord, TemplateTag, utcnow)
 from agentenv.orchestrator.lifecycle import SURVIVES_NODE_LOSS
 from agentenv.state.sqlite import (_KEY_COLS, _SANDBOX_COLS, _SNAPSHOT_COLS, _TEAM_COLS, _TEMPLATE_COLS,
                                    SQLiteStateStore, _dt, _ts)
@@ -45,8 +45,21 @@ MIGRATIONS: list[str] = [
     CREATE TABLE templates (
         template_id TEXT PRIMARY KEY, aliases TEXT NOT NULL DEFAULT '[]', cpu_count INTEGER NOT NULL,
         memory_mb INTEGER NOT NULL, disk_mb INTEGER NOT NULL, image TEXT NOT NULL,
-        public INTEGER NOT NULL DEFAULT 1, created_at TEXT NOT NULL
+        public INTEGER NOT NULL DEFAULT 1, created_at TEXT NOT NULL, team_id TEXT
     );
+    CREATE TABLE template_builds (
+        build_id TEXT PRIMARY KEY, template_id TEXT NOT NULL, team_id TEXT NOT NULL, status TEXT NOT NULL,
+        created_at TEXT NOT NULL, data TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX template_builds_template ON template_builds (template_id, created_at);
+    CREATE TABLE template_tags (
+        template_id TEXT NOT NULL, tag TEXT NOT NULL, build_id TEXT NOT NULL, created_at TEXT NOT NULL,
+        PRIMARY KEY (template_id, tag)
+    );
+    CREATE TABLE build_cache (
+        key TEXT PRIMARY KEY, template_id TEXT NOT NULL, data TEXT NOT NULL, created_at TEXT NOT NULL
+    );
+    CREATE INDEX build_cache_template ON build_cache (template_id);
     CREATE TABLE api_keys (
         key_id TEXT PRIMARY KEY, key_hash TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, name TEXT NOT NULL,
         created_at TEXT NOT NULL, revoked INTEGER NOT NULL DEFAULT 0
@@ -195,7 +208,60 @@ class PostgresStateStore:
         return [SQLiteStateStore._template(r) for r in rows]
 
     async def delete_template(self, template_id: str) -> None:
-        await self._p.execute("DELETE FROM templates WHERE template_id = $1", template_id)
+        async with self._p.acquire() as con, con.transaction():
+            for table in ("templates", "template_builds", "template_tags", "build_cache"):
+                await con.execute(f"DELETE FROM {table} WHERE template_id = $1", template_id)
+
+    async def put_build(self, rec: TemplateBuildRecord) -> None:
+        cols = ("build_id", "template_id", "team_id", "status", "created_at", "data")
+        await self._p.execute(_upsert_sql("template_builds", cols, "build_id"), rec.build_id, rec.template_id,
+                              rec.team_id, rec.status.value, _ts(rec.created_at), json.dumps(rec.data()))
+
+    @staticmethod
+    def _build(row: asyncpg.Record) -> TemplateBuildRecord:
+        return TemplateBuildRecord.from_data(row["build_id"], row["template_id"], row["team_id"], row["status"],
+                                             _dt(row["created_at"]), json.loads(row["data"]))
+
+    async def get_build(self, build_id: str) -> TemplateBuildRecord | None:
+        row = await self._p.fetchrow("SELECT * FROM template_builds WHERE build_id = $1", build_id)
+        return self._build(row) if row else None
+
+    async def list_builds(self, template_id: str | None = None) -> list[TemplateBuildRecord]:
+        if template_id is None:
+            rows = await self._p.fetch("SELECT * FROM template_builds ORDER BY created_at, build_id")
+        else:
+            rows = await self._p.fetch("SELECT * FROM template_builds WHERE template_id = $1 "
+                                       "ORDER BY created_at, build_id", template_id)
+        return [self._build(r) for r in rows]
+
+    async def put_tag(self, rec: TemplateTag) -> None:
+        await self._p.execute(
+            "INSERT INTO template_tags (template_id, tag, build_id, created_at) VALUES ($1, $2, $3, $4) "
+            "ON CONFLICT (template_id, tag) DO UPDATE SET build_id = EXCLUDED.build_id, created_at = EXCLUDED.created_at",
+            rec.template_id, rec.tag, rec.build_id, _ts(rec.created_at))
+
+    async def delete_tag(self, template_id: str, tag: str) -> bool:
+        done = await self._p.execute("DELETE FROM template_tags WHERE template_id = $1 AND tag = $2", template_id, tag)
+        return not done.endswith(" 0")
+
+    async def list_tags(self, template_id: str | None = None) -> list[TemplateTag]:
+        if template_id is None:
+            rows = await self._p.fetch("SELECT * FROM template_tags ORDER BY created_at, tag")
+        else:
+            rows = await self._p.fetch("SELECT * FROM template_tags WHERE template_id = $1 ORDER BY created_at, tag",
+                                       template_id)
+        return [TemplateTag(r["template_id"], r["tag"], r["build_id"], _dt(r["created_at"])) for r in rows]
+
+    async def put_cache_entry(self, key: str, template_id: str, data: dict) -> None:
+        await self._p.execute(_upsert_sql("build_cache", ("key", "template_id", "data", "created_at"), "key"),
+                              key, template_id, json.dumps(data), _ts(utcnow()))
+
+    async def get_cache_entry(self, key: str) -> dict | None:
+        raw = await self._p.fetchval("SELECT data FROM build_cache WHERE key = $1", key)
+        return json.loads(raw) if raw is not None else None
+
+    async def list_cache_entries(self) -> list[dict]:
+        return [json.loads(r["data"]) for r in await self._p.fetch("SELECT data FROM build_cache")]
 
     # API keys -----------------------------------------------------------------------------------
 

@@ -43,7 +43,8 @@ async def store(pg):
     try:
         yield s
     finally:
-        for t in ("sandboxes", "templates", "api_keys", "snapshots", "nodes", "teams"):
+        for t in ("sandboxes", "templates", "api_keys", "snapshots", "nodes", "teams", "template_builds",
+                  "template_tags", "build_cache"):
             await s._p.execute(f"DELETE FROM {t}")
         await s.close()
 
@@ -127,3 +128,23 @@ async def test_node_heartbeats_expire_and_lose_unsafe_sandboxes(store):
 async def test_concurrent_writers(store):
     await asyncio.gather(*(store.put_sandbox_of(sandbox(100 + i), "n1") for i in range(50)))
     assert len(await store.list_sandboxes(node_id="n1")) == 50
+
+
+async def test_template_builds_tags_and_cache(store):
+    from agentenv.models import BuildStatus, TemplateBuildRecord, TemplateTag
+
+    await store.put_template(TemplateRecord("t2", ["t2"], 2, 512, 1024, "base", team_id="default"))
+    b = TemplateBuildRecord("b1", "t2", "default", BuildStatus.READY, 2, 512, 1024, layers=["l1"], memory_digest="m")
+    await store.put_build(b)
+    got = await store.get_build("b1")
+    assert got.status == BuildStatus.READY and got.layers == ["l1"] and got.memory_digest == "m"
+    assert [x.build_id for x in await store.list_builds("t2")] == ["b1"]
+    await store.put_tag(TemplateTag("t2", "v1", "b1", T0))
+    await store.put_tag(TemplateTag("t2", "v1", "b1", T0))  # idempotent
+    assert [t.tag for t in await store.list_tags("t2")] == ["v1"]
+    await store.put_cache_entry("k", "t2", {"layer": "l1"})
+    assert await store.get_cache_entry("k") == {"layer": "l1"}
+    assert await store.delete_tag("t2", "v1") and not await store.delete_tag("t2", "v1")
+    await store.delete_template("t2")
+    assert await store.get_template("t2") is None and await store.list_builds("t2") == []
+    assert await store.get_cache_entry("k") is None
