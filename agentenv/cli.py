@@ -313,10 +313,10 @@ def keys() -> None:
 
 async def _with_auth(settings: Settings, fn):
     from agentenv.api.auth import ApiKeyAuth
-    from agentenv.state.sqlite import SQLiteStateStore
+    from agentenv.state import store_for
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    store = SQLiteStateStore(settings.paths.state_db)
+    store = store_for(settings)  # AGENTENV_DATABASE_URL: the cluster's keys and teams
     await store.open()
     try:
         return await fn(ApiKeyAuth(store))
@@ -619,7 +619,15 @@ def gc(data_dir: str | None) -> None:
 
         become_subreaper()
         reaper = asyncio.create_task(reap_forever())
-        c = await build(settings)
+        from agentenv.state.postgres import is_postgres_url
+
+        store = None
+        if is_postgres_url(settings.database_url):  # a cluster node: only this node's sandboxes
+            from agentenv.cluster.node import NodeScopedStore
+            from agentenv.state.postgres import PostgresStateStore
+
+            store = NodeScopedStore(PostgresStateStore(settings.database_url), settings.node_id)
+        c = await build(settings, store=store)
         try:
             from agentenv.models import SandboxState
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # imported lazily at run time: `agentenv doctor` and friends 
     from agentenv.api.auth import ApiKeyAuth
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.proxy.traffic import TrafficProxy
-    from agentenv.state.sqlite import SQLiteStateStore
+    from agentenv.state.base import StateStore
     from agentenv.storage.images import ImageStore
 
 log = logging.getLogger("agentenv.server")
@@ -49,7 +49,7 @@ async def build_runtime(settings: Settings):
 @dataclass
 class Components:
     settings: Settings
-    store: SQLiteStateStore
+    store: StateStore
     auth: ApiKeyAuth
     images: ImageStore
     orchestrator: Orchestrator
@@ -63,7 +63,7 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     from agentenv.network.manager import NetworkManager
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.proxy.traffic import TrafficProxy
-    from agentenv.state.sqlite import SQLiteStateStore
+    from agentenv.state import store_for
     from agentenv.storage.artifacts import ArtifactCache
     from agentenv.storage.images import ImageStore
     from agentenv.storage.rootfs import RootfsManager
@@ -72,7 +72,7 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     runtime = await build_runtime(settings)   # first: a runtime that cannot run is a clean startup error
     if store is None:
-        store = SQLiteStateStore(settings.paths.state_db)
+        store = store_for(settings)
     await store.open()
     auth = ApiKeyAuth(store)
     images = ImageStore(settings)
