@@ -189,7 +189,11 @@ class S3SnapshotStore:
         try:
             await self._call(self._s3.head_bucket, Bucket=self.bucket)
         except ClientError:
-            await self._call(self._s3.create_bucket, Bucket=self.bucket)
+            try:
+                await self._call(self._s3.create_bucket, Bucket=self.bucket)
+            except ClientError as e:  # several nodes starting at once: another one created it
+                if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyExists", "BucketAlreadyOwnedByYou"):
+                    raise
 
     async def _exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
