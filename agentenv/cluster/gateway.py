@@ -189,6 +189,9 @@ class ClusterOrchestrator:
     async def set_timeout(self, sandbox_id: str, timeout: int, *, team_id: str) -> None:
         await self._on_owner(sandbox_id, team_id, "set_timeout", timeout=timeout)
 
+    async def update_network(self, sandbox_id: str, update: dict, *, team_id: str) -> None:
+        await self._on_owner(sandbox_id, team_id, "update_network", update=update)
+
     async def refresh(self, sandbox_id: str, duration: int, *, team_id: str) -> None:
         await self._on_owner(sandbox_id, team_id, "refresh", duration=duration)
 

@@ -67,7 +67,8 @@ class NodeAgent:
     # Orchestrator operations the gateway may call (keyword arguments only).
     RPC = ("create_sandbox", "list_sandboxes", "get_sandbox", "kill_sandbox", "set_timeout", "refresh",
            "connect_sandbox", "pause_sandbox", "fork_sandbox", "create_snapshot", "list_snapshots",
-           "get_snapshot", "delete_snapshot", "list_templates", "adopt_sandbox", "release_sandbox")
+           "get_snapshot", "delete_snapshot", "list_templates", "adopt_sandbox", "release_sandbox",
+           "update_network")
 
     def __init__(self, settings: Settings, components) -> None:
         self.settings = settings

@@ -69,7 +69,7 @@ MIGRATIONS: list[str] = [
         source_sandbox_id TEXT, template_id TEXT NOT NULL, image TEXT NOT NULL, layers TEXT NOT NULL DEFAULT '[]',
         memory_digest TEXT, cpu_count INTEGER NOT NULL, memory_mb INTEGER NOT NULL, disk_mb INTEGER NOT NULL,
         env_vars TEXT NOT NULL DEFAULT '{}', metadata TEXT NOT NULL DEFAULT '{}',
-        size_bytes BIGINT NOT NULL DEFAULT 0, restore_token TEXT, created_at TEXT NOT NULL
+        size_bytes BIGINT NOT NULL DEFAULT 0, restore_token TEXT, created_at TEXT NOT NULL, network TEXT
     );
     CREATE INDEX snapshots_team ON snapshots (team_id, created_at);
     CREATE TABLE teams (
