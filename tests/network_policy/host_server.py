@@ -2,9 +2,10 @@
 
     python3 host_server.py CERT KEY ADDR [ADDR ...]
 
-Serves on every ADDR: HTTP on port 80 and HTTPS (the given self-signed cert) on port 443. Every
-response is one JSON line {"server": <addr it was reached at>, "host": <Host header>, "tls": bool,
-"sni": <server name the client sent, or null>} and the server closes the connection.
+Serves on every ADDR: HTTP on port 80 and HTTPS (the given self-signed cert) on port 443.
+`/bytes/<n>` answers n zero bytes; every other path one JSON line {"server": <addr it was reached
+at>, "host": <Host header>, "tls": bool, "sni": <server name the client sent, or null>}. The server
+closes the connection after the response.
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.startswith("/bytes/"):  # /bytes/<n>: n zero bytes (throughput benchmarks)
+            n = int(self.path.split("/")[2])
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            chunk = bytes(65536)
+            while n > 0:
+                self.wfile.write(chunk[:min(n, len(chunk))])
+                n -= len(chunk)
+            return
         tls = isinstance(self.connection, ssl.SSLSocket)
         body = json.dumps({"server": self.connection.getsockname()[0], "host": self.headers.get("Host"),
                            "tls": tls, "sni": getattr(self.connection, "sni", None)}).encode() + b"\n"

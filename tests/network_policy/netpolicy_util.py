@@ -8,6 +8,7 @@ HTTP on 80 and HTTPS (self-signed) on 443 at two addresses, and a "private" host
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -140,8 +141,14 @@ def _make_ns(ns: str, veth: str, root_cidr: str, inner_cidrs: list[str]) -> None
 def test_hosts(tmp_path_factory) -> Iterator[Hosts]:
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
+    with running_test_hosts(tmp_path_factory.mktemp("hosts")) as hosts:
+        yield hosts
+
+
+@contextlib.contextmanager
+def running_test_hosts(d: Path) -> Iterator[Hosts]:
+    """The test hosts, torn down (servers killed by PID, veths and netns deleted) even on failure."""
     tag = INSTANCE + secrets.token_hex(2)
-    d = tmp_path_factory.mktemp("hosts")
     cert, key = d / "cert.pem", d / "key.pem"
     run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-host",
         "-keyout", str(key), "-out", str(cert))
