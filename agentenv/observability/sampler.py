@@ -6,8 +6,9 @@ can break inside the sandbox. The runtime puts each sandbox in cgroup `agentenv/
 whose CPU and memory accounting gives exactly that; disk is the size of the sandbox's writable
 layer (what it has written), against its disk limit.
 
-One pass reads two or three small cgroup files per sandbox and walks the writable layers in a
-worker thread, every `metrics_sample_interval_s`. Each sandbox keeps at most `metrics_history`
+One pass reads two or three small cgroup files per sandbox in a worker thread, every
+`metrics_sample_interval_s`; the writable layers are walked every `DISK_EVERY` passes (disk use
+changes slowly, and walking 100 layers is most of a pass's cost). Each sandbox keeps at most `metrics_history`
 samples (E2B's SandboxMetric shape); its buffer goes away with the sandbox.
 """
 
@@ -26,6 +27,7 @@ log = logging.getLogger("agentenv.observability.sampler")
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 CGROUP_PARENT = "agentenv"
+DISK_EVERY = 5
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,8 @@ class ResourceSampler:
         self._last_cpu: dict[str, tuple[float, int]] = {}  # id -> (monotonic, cpu ns)
         self.totals = Totals()
         self._task: asyncio.Task | None = None
+        self._passes = 0
+        self._disk: dict[str, int] = {}  # id -> bytes at the last walk
 
     def start(self) -> None:
         if self._task is None:
@@ -182,10 +186,13 @@ class ResourceSampler:
     async def sample_once(self) -> None:
         recs = self._running()
         upper_of = self.orch.rootfs.upper_path
-        jobs = [(r.sandbox_id, upper_of(r.sandbox_id)) for r in recs]
+        walk = self._passes % DISK_EVERY == 0
+        self._passes += 1
+        jobs = [(r.sandbox_id, upper_of(r.sandbox_id), walk or r.sandbox_id not in self._disk) for r in recs]
+        known = dict(self._disk)
 
         def measure() -> dict[str, tuple[tuple[int, int, int] | None, int]]:
-            return {sid: (cgroup_usage(sid), dir_bytes(upper)) for sid, upper in jobs}
+            return {sid: (cgroup_usage(sid), dir_bytes(upper) if fresh else known[sid]) for sid, upper, fresh in jobs}
 
         measured = await asyncio.to_thread(measure)
         now_wall, now_mono = time.time(), time.monotonic()
@@ -194,6 +201,7 @@ class ResourceSampler:
             usage, disk = measured.get(r.sandbox_id, (None, 0))
             if usage is None:
                 continue
+            self._disk[r.sandbox_id] = disk
             cpu_ns, mem_used, mem_cache = usage
             prev = self._last_cpu.get(r.sandbox_id)
             self._last_cpu[r.sandbox_id] = (now_mono, cpu_ns)
@@ -219,6 +227,9 @@ class ResourceSampler:
         for sid in list(self._last_cpu):
             if sid not in live:
                 self._last_cpu.pop(sid, None)
+        for sid in list(self._disk):
+            if sid not in live:
+                self._disk.pop(sid, None)
         try:
             snaps = await self.orch.store.list_snapshots()
             totals.snapshots = len(snaps)

@@ -99,3 +99,39 @@ def test_metrics_scrape_parses_and_counts_api_requests(server, scrape):
     for _ in range(3):
         requests.get(f"{server.api_url}/templates", headers={"X-API-KEY": server.api_key}, timeout=30)
     assert scrape().value("agentenv_http_requests_total", **key) == before + 3
+
+
+def test_refused_operation_counts_as_failure_by_reason(server, scrape):
+    key = {"X-API-KEY": server.api_key}
+    r = requests.post(f"{server.api_url}/v2/sandboxes", json={"templateID": "base", "timeout": 120}, headers=key,
+                      timeout=120)
+    sid = r.json()["sandboxID"]
+    try:
+        assert requests.post(f"{server.api_url}/sandboxes/{sid}/pause", headers=key, timeout=120).status_code == 204
+        before = scrape().value("agentenv_sandbox_operation_failures_total", operation="pause")
+        again = requests.post(f"{server.api_url}/sandboxes/{sid}/pause", headers=key, timeout=120)
+        assert again.status_code == 409
+        after = scrape()
+        assert after.value("agentenv_sandbox_operation_failures_total", operation="pause") == before + 1
+        reasons = {s.labels["reason"] for s in after.samples
+                   if s.name == "agentenv_sandbox_operation_failures_total" and s.labels["operation"] == "pause"}
+        assert reasons and all(r.replace("_", "").isalnum() for r in reasons), reasons
+    finally:
+        requests.delete(f"{server.api_url}/sandboxes/{sid}", headers=key, timeout=60)
+
+
+def test_timeout_expiry_is_an_event(server, api):
+    since = api.json("/events?tail=1")["lastSeq"]
+    r = requests.post(f"{server.api_url}/v2/sandboxes", json={"templateID": "base", "timeout": 2},
+                      headers={"X-API-KEY": server.api_key}, timeout=120)
+    sid = r.json()["sandboxID"]
+    deadline = time.monotonic() + 60
+    types: list[str] = []
+    while time.monotonic() < deadline:
+        evs = api.json(f"/events?since={since}&sandboxID={sid}")["events"]
+        types = [e["type"] for e in evs]
+        if "killed" in types:
+            break
+        time.sleep(0.5)
+    assert types == ["created", "expired", "killed"], types
+    assert evs[1]["action"] == "kill" and evs[2]["reason"] == "timeout"
