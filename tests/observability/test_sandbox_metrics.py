@@ -24,7 +24,7 @@ def wait_for(pred, what: str, limit: float = 90.0):
         if v:
             return v
         if time.monotonic() > deadline:
-            pytest.fail(f"gave up waiting for {what} after {limit:.0f}s")
+            pytest.fail(f"gave up waiting for {what() if callable(what) else what} after {limit:.0f}s")
         time.sleep(0.5)
 
 
@@ -60,17 +60,22 @@ def test_values_rise_when_the_sandbox_burns_cpu_and_memory(sbx):
     # Right after a start (restore, envd warming up) and on a loaded host the first samples can be busy.
     base = wait_for(lambda: (ms := sbx.get_metrics()) and ms[-1].cpu_used_pct < 40 and ms[-1], "an idle sample")
     proc = sbx.commands.run(BURN, background=True)
+    # A busy loop gets one vCPU (50%) on an idle host, much less on a saturated shared one: ask for a
+    # clear rise over the idle sandbox's own level rather than a fixed share.
+    want_cpu = max(5.0, 10 * base.cpu_used_pct)
+    seen: list = []
     try:
         def busy():
             m = sbx.get_metrics()[-1]
-            return m if (m.cpu_used_pct >= 30 and m.mem_used >= base.mem_used + 250 * MiB) else None
+            seen.append(m)
+            return m if (m.cpu_used_pct >= want_cpu and m.mem_used >= base.mem_used + 250 * MiB) else None
 
-        hot = wait_for(busy, "CPU >= 30% (one of two vCPUs busy) and +250 MiB memory")
+        hot = wait_for(busy, lambda: f"CPU >= {want_cpu:.1f}% and +250 MiB memory (idle: {base}; last: {seen[-3:]})")
         assert hot.mem_used <= hot.mem_total
     finally:
         proc.kill()
     # CPU goes down again once the burner is gone
-    wait_for(lambda: sbx.get_metrics()[-1].cpu_used_pct < 25, "CPU back to idle")
+    wait_for(lambda: sbx.get_metrics()[-1].cpu_used_pct < hot.cpu_used_pct / 2, "CPU back to idle")
 
 
 def test_disk_used_rises_when_the_sandbox_writes(sbx):
