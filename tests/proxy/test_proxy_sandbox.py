@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -60,13 +59,14 @@ def route(sbx: Sandbox, port: int = APP_PORT, **extra: str) -> dict[str, str]:
     return {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(port), **extra}
 
 
-def start_app(sbx: Sandbox, server) -> None:
+def start_app(sbx: Sandbox, server, token: str | None = None) -> None:
     """Start the app detached from envd's process stream (no connection is left open), wait for it."""
     sbx.files.write(APP_PATH, APP_SOURCE)
     sbx.commands.run(f"setsid nohup python3 {APP_PATH} {APP_PORT} >/tmp/app.log 2>&1 </dev/null &")
+    headers = route(sbx, **({"E2B-Traffic-Access-Token": token} if token else {}))
     deadline = time.monotonic() + 60
     while True:
-        r = requests.get(f"{server.sandbox_url}/hello", headers=route(sbx), timeout=30)
+        r = requests.get(f"{server.sandbox_url}/hello", headers=headers, timeout=30)
         if r.status_code == 200:
             return
         assert r.status_code == 502 and "port is not open" in r.json()["message"], r.text
@@ -313,7 +313,7 @@ def test_private_sandbox_needs_its_traffic_token(server) -> None:
     try:
         token = sbx.traffic_access_token
         assert token
-        start_app_private(sbx, server, token)
+        start_app(sbx, server, token)
         url = f"{server.sandbox_url}/hello"
         missing = requests.get(url, headers=route(sbx), timeout=30)
         assert missing.status_code == 403 and "Missing" in missing.json()["message"]
@@ -335,16 +335,6 @@ def test_private_sandbox_needs_its_traffic_token(server) -> None:
         assert sbx.commands.run("echo private").stdout.strip() == "private"
     finally:
         kill_quietly(sbx)
-
-
-def start_app_private(sbx: Sandbox, server, token: str) -> None:
-    sbx.files.write(APP_PATH, APP_SOURCE)
-    sbx.commands.run(f"setsid nohup python3 {APP_PATH} {APP_PORT} >/tmp/app.log 2>&1 </dev/null &")
-    deadline = time.monotonic() + 60
-    while requests.get(f"{server.sandbox_url}/hello", headers=route(sbx, **{"E2B-Traffic-Access-Token": token}),
-                       timeout=30).status_code != 200:
-        assert time.monotonic() < deadline, "the app did not start"
-        time.sleep(0.2)
 
 
 def test_public_sandbox_gets_no_token(server, app_sbx: Sandbox) -> None:
