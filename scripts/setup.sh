@@ -86,6 +86,8 @@ fi
 if [ "$WITH_TEST" -eq 1 ]; then
   # A real PostgreSQL server for the cluster tests (initdb'd into a temp dir by tests/cluster).
   SYSTEM_PKGS+=(postgresql)
+  # openssl: the self-signed certificate of the HTTPS test host (tests/network_policy).
+  SYSTEM_PKGS+=(openssl)
 fi
 apt_install "${SYSTEM_PKGS[@]}"
 command -v runsc >/dev/null 2>&1 || die "runsc (gVisor) is not installed and could not be installed"
