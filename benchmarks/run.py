@@ -1128,7 +1128,7 @@ def report(res: dict) -> str:
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
     mt = res.get("metrics")
     if mt:
-        def ms(x) -> str:  # noqa: F811 - sub-millisecond resolution for this table
+        def ms1(x) -> str:  # sub-millisecond resolution for this table (a local `ms` would shadow the module one)
             return "–" if x is None else f"{x * 1000:.1f} ms"
 
         L += ["### 6. Scraping cost (observability)", "",
@@ -1140,13 +1140,13 @@ def report(res: dict) -> str:
             if not r:
                 continue
             one = r["one_sandbox_series"]
-            L.append(f"| {r['sandboxes']} | {ms(r['metrics']['p50'])} / {ms(r['metrics']['p95'])} "
-                     f"({r['metrics']['bytes']}) | {ms(r['metrics_render']['p50'])} | "
-                     f"{ms(r.get('metrics_cpu_per_scrape'))} | "
-                     f"{ms(r['all_sandbox_metrics']['p50'])} / {ms(r['all_sandbox_metrics']['p95'])} "
-                     f"({r['all_sandbox_metrics']['bytes']}) | {ms(r.get('all_sandbox_metrics_cpu_per_scrape'))} | "
-                     f"{ms(one['p50']) if one else '–'} | "
-                     f"{ms(r['sampler_pass']['p50'])} / {ms(r['sampler_pass']['max'])} | "
+            L.append(f"| {r['sandboxes']} | {ms1(r['metrics']['p50'])} / {ms1(r['metrics']['p95'])} "
+                     f"({r['metrics']['bytes']}) | {ms1(r['metrics_render']['p50'])} | "
+                     f"{ms1(r.get('metrics_cpu_per_scrape'))} | "
+                     f"{ms1(r['all_sandbox_metrics']['p50'])} / {ms1(r['all_sandbox_metrics']['p95'])} "
+                     f"({r['all_sandbox_metrics']['bytes']}) | {ms1(r.get('all_sandbox_metrics_cpu_per_scrape'))} | "
+                     f"{ms1(one['p50']) if one else '–'} | "
+                     f"{ms1(r['sampler_pass']['p50'])} / {ms1(r['sampler_pass']['max'])} | "
                      f"{r['server_cpu_idle_cores']:.3f} cores |")
         L.append("")
     if "firecracker" in res:
