@@ -51,6 +51,7 @@ CMD_TIMEOUT = 60.0
 TAP = "tap0"
 BRIDGE = "br0"
 STATE_FILE = "state"
+FULL_STATE_FILE = "full.state"  # transient: a full stream before _to_ram_file
 RAM_FILE = "ram"
 DISK_FILE = "disk.qcow2"
 META_FILE = "vm.json"
@@ -240,6 +241,7 @@ class QemuRuntime:
         for f in ("qmp.sock", "qemu.pid"):
             (b / f).unlink(missing_ok=True)
         argv = self._argv(spec, meta, ram_path, share, incoming)
+        (b / META_FILE).write_text(json.dumps({**meta, "argv": argv}, indent=1))  # for _to_ram_file
         with open(b / QEMU_LOG, "ab") as logf:
             logf.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} {shlex.join(argv)}\n".encode())
             logf.flush()
@@ -347,14 +349,20 @@ class QemuRuntime:
             meta = json.loads((b / META_FILE).read_text())
             image_dir.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()
-            dst = shlex.quote(str(image_dir / STATE_FILE))
-            await self.qmp(sandbox_id, "migrate", {"uri": f"exec:cat > {dst}"})
+            owns = bool(meta.get("owns_ram"))
+            dst = image_dir / (STATE_FILE if owns else FULL_STATE_FILE)
+            if not owns:  # a plain full stream; _to_ram_file turns it into a RAM-file image below
+                await self.qmp(sandbox_id, "migrate-set-capabilities",
+                               {"capabilities": [{"capability": "x-ignore-shared", "state": False}]})
+            await self.qmp(sandbox_id, "migrate", {"uri": f"exec:cat > {shlex.quote(str(dst))}"})
             await self._wait_migration(sandbox_id, incoming=False)
             t_mig = time.monotonic() - t0
             await self._kill(sandbox_id)
-            os.replace(b / DISK_FILE, image_dir / DISK_FILE)
-            if meta.get("owns_ram"):
+            if owns:
                 os.replace(b / RAM_FILE, image_dir / RAM_FILE)
+            else:
+                await self._to_ram_file(sandbox_id, meta, image_dir)
+            os.replace(b / DISK_FILE, image_dir / DISK_FILE)
             keep = {k: meta[k] for k in ("kernel", "initrd", "kernel_version", "root_disk", "tools_disk",
                                          "memory_mb", "cpu_count", "machine")}
             (image_dir / META_FILE).write_text(json.dumps(keep, indent=1))
@@ -362,6 +370,91 @@ class QemuRuntime:
                       time.monotonic() - t0, "shared RAM" if meta.get("owns_ram") else "full RAM")
         finally:
             await asyncio.shield(self.stop(sandbox_id))
+
+    async def _to_ram_file(self, sandbox_id: str, meta: dict, image_dir: Path) -> None:
+        """Turn a full-stream checkpoint into a RAM-file one, so its restores map memory copy-on-write.
+
+        A VM restored from a RAM-file image maps that file privately (share=off), so its own
+        migration must carry its RAM. A helper QEMU with the same devices (never running the guest:
+        -S) loads that stream into a fresh shared RAM file, then saves again with x-ignore-shared:
+        the image ends up as RAM file + small device state, like a cold-booted VM's.
+        """
+        from qemu.qmp import QMPClient
+
+        b = self._bundle(sandbox_id)
+        full = image_dir / FULL_STATE_FILE
+        ram = image_dir / RAM_FILE
+        with open(ram, "wb") as f:
+            f.truncate(int(meta["memory_mb"]) << 20)
+        sock, pidf = b / "helper-qmp.sock", b / "helper.pid"
+        for f in (sock, pidf):
+            f.unlink(missing_ok=True)
+        argv, it = [], iter(meta["argv"])
+        for a in it:
+            if a in ("-object", "-qmp", "-pidfile", "-serial", "-incoming"):
+                v = next(it)
+                if a == "-object" and v.startswith("memory-backend-file,"):
+                    v = f"memory-backend-file,id=mem,size={meta['memory_mb']}M,mem-path={ram},share=on"
+                elif a == "-qmp":
+                    v = f"unix:{sock},server=on,wait=off"
+                elif a == "-pidfile":
+                    v = str(pidf)
+                elif a == "-serial":
+                    v = "null"
+                elif a == "-incoming":
+                    continue
+                argv += [a, v]
+            else:
+                argv.append(a)
+        argv += ["-S", "-incoming", "defer"]
+        t0 = time.monotonic()
+        with open(b / QEMU_LOG, "ab") as logf:
+            logf.write(f"--- helper {time.strftime('%Y-%m-%dT%H:%M:%S')} {shlex.join(argv)}\n".encode())
+            logf.flush()
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
+        c = QMPClient(f"agentenv-helper-{sandbox_id}")
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            while not sock.exists():
+                if proc.returncode is not None or time.monotonic() > deadline:
+                    raise RuntimeFailure(f"helper qemu did not start: {_tail(b / QEMU_LOG)}")
+                await asyncio.sleep(0.01)
+            await asyncio.wait_for(c.connect(str(sock)), QMP_TIMEOUT)
+
+            async def wait(cmd: str, done) -> None:
+                end = time.monotonic() + MIGRATE_TIMEOUT
+                while True:
+                    st = await asyncio.wait_for(c.execute(cmd), QMP_TIMEOUT)
+                    if done(st):
+                        return
+                    if st.get("status") in ("failed", "cancelled") or time.monotonic() > end:
+                        raise RuntimeFailure(f"helper {cmd}: {st}: {_tail(b / QEMU_LOG)}")
+                    await asyncio.sleep(0.02)
+
+            caps = {"capabilities": [{"capability": "x-ignore-shared", "state": False}]}
+            await c.execute("migrate-set-capabilities", caps)
+            await c.execute("migrate-incoming", {"uri": f"exec:cat {shlex.quote(str(full))}"})
+            await wait("query-status", lambda st: st.get("status") not in ("inmigrate", "prelaunch"))
+            caps["capabilities"][0]["state"] = True
+            await c.execute("migrate-set-capabilities", caps)
+            await c.execute("migrate", {"uri": f"exec:cat > {shlex.quote(str(image_dir / STATE_FILE))}"})
+            await wait("query-migrate", lambda st: st.get("status") == "completed")
+        except BaseException:
+            ram.unlink(missing_ok=True)
+            raise
+        finally:
+            try:
+                await asyncio.wait_for(c.disconnect(), 5)
+            except Exception:  # noqa: BLE001
+                pass
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+            for f in (sock, pidf):
+                f.unlink(missing_ok=True)
+        full.unlink(missing_ok=True)
+        log.debug("rewrote %s's full checkpoint as a RAM-file image in %.3fs", sandbox_id, time.monotonic() - t0)
 
     async def _kill(self, sandbox_id: str) -> None:
         await self._drop_client(sandbox_id)

@@ -105,6 +105,15 @@ def test_fork_of_4_children_continue_from_the_capture(vm, qemu_server):
         with ThreadPoolExecutor(max_workers=4) as pool:
             kernels = list(pool.map(check, children))
         assert all(k.startswith(GUEST_KERNEL_PREFIX) for k in kernels)
+        # The children map the capture's RAM file copy-on-write: guest pages they only read are
+        # shared between their QEMU processes (the source was itself restored, so its capture
+        # went through the full-stream -> RAM-file rewrite).
+        for c in children:
+            pid = (qemu_server.data_dir / "sandboxes" / c.sandbox_id / "bundle" / "qemu.pid").read_text().strip()
+            smaps = {ln.split()[0].rstrip(":"): int(ln.split()[1])
+                     for ln in open(f"/proc/{pid}/smaps_rollup") if ln.rstrip().endswith("kB")}
+            assert smaps["Shared_Clean"] > 16 * 1024, f"child {c.sandbox_id} shares no guest memory: {smaps}"
+            assert smaps["Pss"] < smaps["Rss"]
         for c in children:
             names = {e.name for e in c.files.list("/home/user", request_timeout=REQ)}
             assert f"child-{c.sandbox_id}.txt" in names
