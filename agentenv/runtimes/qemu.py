@@ -158,8 +158,18 @@ class QemuRuntime:
         c = self._qmp.get(sandbox_id)
         if c is not None and c.runstate.name == "RUNNING":
             return c
-        c = QMPClient(f"agentenv-{sandbox_id}")
-        await asyncio.wait_for(c.connect(str(self._bundle(sandbox_id) / "qmp.sock")), QMP_TIMEOUT)
+        # QEMU serves one QMP client at a time: a client that went away (e.g. a crashed server's)
+        # may still be being torn down on QEMU's side, which resets the next connection: retry.
+        for attempt in range(5):
+            c = QMPClient(f"agentenv-{sandbox_id}")
+            try:
+                await asyncio.wait_for(c.connect(str(self._bundle(sandbox_id) / "qmp.sock")), QMP_TIMEOUT)
+                break
+            except Exception as e:  # noqa: BLE001 - qemu.qmp ConnectError wraps OSError
+                if attempt == 4 or self._pid(sandbox_id) is None:
+                    raise
+                log.info("QMP connect to %s failed (%s); retrying", sandbox_id, e)
+                await asyncio.sleep(0.2 * (attempt + 1))
         self._qmp[sandbox_id] = c
         return c
 
