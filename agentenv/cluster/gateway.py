@@ -361,6 +361,9 @@ async def run_gateway(settings: Settings) -> None:
 
     app = web.Application(middlewares=[sandbox_traffic], client_max_size=16 * 1024 * 1024)
     setup_api(app, orch, auth, settings)
+    from agentenv.observability.roles import mount_role_metrics
+
+    mount_role_metrics(app, settings, role="gateway", list_nodes=store.list_nodes)
     try:
         async def on_started() -> None:
             _print_banner(settings, api_key)

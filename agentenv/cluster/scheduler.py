@@ -234,6 +234,9 @@ class SchedulerService:
         app.router.add_post("/internal/release", self.release)
         app.router.add_get("/internal/nodes", self.list_nodes)
         app.router.add_get("/health", lambda _r: web.Response(text="ok"))
+        from agentenv.observability.roles import mount_role_metrics
+
+        mount_role_metrics(app, self.settings, role="scheduler", list_nodes=self.store.list_nodes)
         return app
 
 

@@ -109,7 +109,8 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
             raise
         if resumed:
             m.observe_op("resume", time.monotonic() - t0)
-            emit("resumed", sandbox_id, team_id=rec.team_id, durationS=round(time.monotonic() - t0, 4))
+            emit("resumed", sandbox_id, team_id=rec.team_id, reason="request",
+                 durationS=round(time.monotonic() - t0, 4))
         return rec, resumed
 
     @timed("resume_on_traffic")

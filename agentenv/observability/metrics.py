@@ -124,13 +124,16 @@ def cap_labels(counts: dict[tuple, float], index: int, cap: int = TEMPLATE_LABEL
 
 def mount_metrics(app: web.Application, registry: CollectorRegistry, *, path: str = "/metrics",
                   bearer_token: str | None = None,
-                  also_allow: Callable[[web.Request], Awaitable[bool]] | None = None) -> web.AbstractRoute:
+                  also_allow: Callable[[web.Request], Awaitable[bool]] | None = None,
+                  before_scrape: Callable[[], Awaitable[None]] | None = None) -> web.AbstractRoute:
     """Serve `registry` in the Prometheus text format at `path` on any aiohttp app.
 
     With `bearer_token` set, a scrape must send `Authorization: Bearer <token>` (Prometheus'
     `authorization`/`bearer_token` scrape options); `also_allow(request)` may be an async check
     that admits other callers too (the server uses it to accept an API key). Without a token the
     endpoint is open — fine on a loopback or private listener; set one on anything public.
+    `before_scrape` is awaited first: roles whose numbers live behind an async call (a state store)
+    refresh them there, since collectors themselves are synchronous.
     """
 
     async def handler(request: web.Request) -> web.Response:
@@ -144,6 +147,8 @@ def mount_metrics(app: web.Application, registry: CollectorRegistry, *, path: st
                                           "(metrics_bearer_token) or a valid X-API-Key"}, status=401,
                                          headers={"WWW-Authenticate": "Bearer"})
         t0 = time.perf_counter()
+        if before_scrape is not None:
+            await before_scrape()
         body = generate_latest(registry)
         resp = web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
         resp.headers["X-Render-Seconds"] = f"{time.perf_counter() - t0:.6f}"
