@@ -303,6 +303,25 @@ def image_list(data_dir: str | None) -> None:
     Console().print(table)
 
 
+@image.command("import")
+@click.argument("source", type=click.Path(exists=True))
+@click.option("--name", "ref", required=True, help="Image reference templates use in fromImage, e.g. alpine:3.20")
+@click.option("--data-dir", default=None)
+def image_import(source: str, ref: str, data_dir: str | None) -> None:
+    """Import an OCI image (OCI layout dir, OCI archive or `docker save` tarball) for fromImage."""
+    from agentenv.storage import oci
+    from agentenv.storage.images import ImageStore
+
+    store = ImageStore(_settings(data_dir))
+    try:
+        name = oci.import_image(store, Path(source), ref,
+                                progress=lambda msg, _f: click.echo(msg, err=True))
+    except oci.ImageFormatError as e:
+        raise click.ClickException(e.message) from None
+    m = store.manifest(name)
+    click.echo(f"imported {m['ref']} as image {name} ({m['os'].get('pretty_name', 'unknown OS')})")
+
+
 # ---------------------------------------------------------------- API keys
 
 

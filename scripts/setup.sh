@@ -88,6 +88,8 @@ if [ "$WITH_TEST" -eq 1 ]; then
   SYSTEM_PKGS+=(postgresql)
   # openssl: the self-signed certificate of the HTTPS test host (tests/network_policy).
   SYSTEM_PKGS+=(openssl)
+  # musl-tools + busybox-static: tests/templates builds a musl/BusyBox (Alpine-like) OCI image offline.
+  SYSTEM_PKGS+=(musl-tools busybox-static file)
 fi
 apt_install "${SYSTEM_PKGS[@]}"
 command -v runsc >/dev/null 2>&1 || die "runsc (gVisor) is not installed and could not be installed"

@@ -204,6 +204,10 @@ class ProcessManager:
         if not cmd:
             raise ConnectError("invalid_argument", "process.cmd is required")
         args = [str(a) for a in (pfield(spec, "args") or [])]
+        if cmd == "/bin/bash" and not os.path.exists(cmd) and os.path.exists("/bin/sh"):
+            # The SDKs run every command through `/bin/bash -l -c`; images without bash (Alpine,
+            # busybox) get their POSIX shell, which takes the same flags.
+            cmd = "/bin/sh"
         envs = pfield(spec, "envs") or {}
         cwd_req = pfield(spec, "cwd")
         if cwd_req:

@@ -423,7 +423,15 @@ class TemplateService:
         image = await self.orch.images.resolve_image_ref(ref, registry=spec.get("fromImageRegistry"),
                                                          progress=lambda m, _f: blog.add(m))
         blog.add(f"FROM image {ref} -> {image}")
-        return Chain(image, [], StepState(), _h("image", image, self.orch.images.image_digest(image)))
+        state = StepState()
+        m = self.orch.images.manifest(image)
+        for item in m.get("env") or []:  # the image config's Env and WorkingDir (imported OCI images)
+            k, sep, v = str(item).partition("=")
+            if sep and _ENV_RE.match(k):
+                state.env[k] = v
+        if m.get("workdir"):
+            state.workdir = m["workdir"]
+        return Chain(image, [], state, _h("image", image, self.orch.images.image_digest(image)))
 
     async def _execute(self, build: TemplateBuildRecord, blog: BuildLog) -> None:
         spec = build.spec
