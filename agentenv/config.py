@@ -69,6 +69,12 @@ class Settings(BaseSettings):
     # How long pause/fork/snapshot wait for TCP connections inside a sandbox to close before
     # refusing with 409 (old gVisor cannot checkpoint them; TIME_WAIT lasts 60 s).
     capture_drain_s: float = 30.0
+    # Ready-made templates the server builds at start (in the background) when missing or stale,
+    # comma-separated: "code-interpreter" (aliases code-interpreter-v1, the SDK's default).
+    builtin_templates: str = ""
+    # Wheel directory for the code-interpreter template's Jupyter packages; empty: the server runs
+    # `pip download` (host pip configuration/indexes) into <data_dir>/wheelhouse/code-interpreter.
+    code_interpreter_wheels: Path | None = None
 
     # Host-side addressing of sandbox slots: one /30 per slot inside this /16.
     slot_subnet: str = "10.213.0.0/16"

@@ -131,6 +131,7 @@ class Orchestrator:
         await self._reconcile()
         await self.gc_artifacts()
         self._reaper = asyncio.create_task(self._reap_loop(), name="ttl-reaper")
+        self.templates.start_builtins()
         if self.settings.warm_start:
             tools = await self.images.ensure_tools()
             for tmpl in await self.store.list_templates():

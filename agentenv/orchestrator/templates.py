@@ -166,6 +166,64 @@ class TemplateService:
 
         return hmac.new(self.orch._host_token.encode(), text.encode(), hashlib.sha256).hexdigest()
 
+    def start_builtins(self) -> None:
+        """Build the ready-made templates named in `builtin_templates` (background; skipped when current)."""
+        names = [n.strip() for n in (self.settings.builtin_templates or "").split(",") if n.strip()]
+        for n in names:
+            if n != "code-interpreter":
+                log.warning("unknown built-in template %r (known: code-interpreter)", n)
+                continue
+            task = asyncio.create_task(self._ensure_code_interpreter(), name="builtin-code-interpreter")
+            self._tasks["builtin-code-interpreter"] = task
+            task.add_done_callback(lambda _t: self._tasks.pop("builtin-code-interpreter", None))
+
+    async def _ensure_code_interpreter(self) -> None:
+        from agentenv.templates.code_interpreter import build as ci
+
+        try:
+            wheels = await ci.ensure_wheels(self.settings, lambda m: log.info("code-interpreter: %s", m))
+            spec, files = await asyncio.to_thread(ci.recipe, wheels)
+        except Exception as e:  # noqa: BLE001 - the server runs on without it
+            log.error("cannot build the code-interpreter template: %s", e)
+            return
+        tmpl = await self.store.get_template(ci.NAME)
+        if tmpl is not None and tmpl.team_id is not None:
+            log.error("template name %s belongs to a team; not building the built-in one", ci.NAME)
+            return
+        tags = {t.tag: t.build_id for t in await self.store.list_tags(tmpl.template_id)} if tmpl else {}
+        current = await self.store.get_build(tags[DEFAULT_TAG]) if DEFAULT_TAG in tags else None
+        if current is not None and current.spec.get("recipe") == spec["recipe"] and all(
+                self.orch.artifacts.layer_dir(d).is_dir() for d in current.layers) and current.memory_digest and \
+                self.orch.artifacts.memory_dir(current.memory_digest).is_dir():
+            log.info("code-interpreter template is current (build %s)", current.build_id)
+            return
+        for digest, data in files.items():
+            path = self.files_path("", digest)
+            if not path.is_file():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".part")
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+        s = self.settings
+        if tmpl is None:
+            tmpl = TemplateRecord(template_id=ci.NAME, aliases=list(ci.ALIASES), cpu_count=s.default_cpu_count,
+                                  memory_mb=s.default_memory_mb, disk_mb=s.default_disk_mb, image="base",
+                                  public=True, team_id=None)
+            await self.store.put_template(tmpl)
+        build = TemplateBuildRecord(build_id=new_build_id(), template_id=tmpl.template_id, team_id="",
+                                    status=BuildStatus.BUILDING, cpu_count=tmpl.cpu_count, memory_mb=tmpl.memory_mb,
+                                    disk_mb=tmpl.disk_mb, spec={**spec, "tags": [DEFAULT_TAG]})
+        await self.store.put_build(build)
+        log.info("building the code-interpreter template (build %s)", build.build_id)
+        await self._run_build(build)
+        if build.status == BuildStatus.ERROR:
+            log.error("code-interpreter template build failed: %s", (build.reason or {}).get("message"))
+        else:
+            for old in await self.store.list_builds(tmpl.template_id):  # superseded builds: GC their layers
+                if old.build_id != build.build_id:
+                    await self.store.delete_build(old.build_id)
+            await self.orch.gc_artifacts()
+
     async def stop(self) -> None:
         for task in list(self._tasks.values()):
             task.cancel()
@@ -634,6 +692,9 @@ class TemplateService:
             build.restore_token = rec.envd_access_token
             build.env_vars = {}
             await self.store.put_build(build)
+        except BaseException:
+            self.orch._keep_logs(sid, "template-build")  # runsc's own log says why a checkpoint failed
+            raise
         finally:
             await asyncio.shield(self.orch._teardown(sid))
 

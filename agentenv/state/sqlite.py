@@ -433,6 +433,9 @@ class SQLiteStateStore:
             sql, params = sql + " WHERE template_id = ?", [template_id]
         return [self._build(r) for r in await self._fetch(sql + " ORDER BY created_at, build_id", params)]
 
+    async def delete_build(self, build_id: str) -> None:
+        await self._write("DELETE FROM template_builds WHERE build_id = ?", (build_id,))
+
     async def put_tag(self, rec: TemplateTag) -> None:
         await self._write(_insert_sql("template_tags", ("template_id", "tag", "build_id", "created_at")),
                           (rec.template_id, rec.tag, rec.build_id, _ts(rec.created_at)))

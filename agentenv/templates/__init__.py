@@ -1,0 +1,1 @@
+"""Ready-made templates the server can build itself (see docs/templates.md)."""
