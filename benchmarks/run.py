@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 # Steps that need neither the agentenv server nor the raw runsc baseline.
 SERVERLESS_STEPS = {"firecracker", "qemu"}
 # Steps that need the server but no raw runsc baseline.
-RAWLESS_STEPS = {"metrics"}
+RAWLESS_STEPS = {"metrics", "templates"}
 AGENTENV = str(Path(sys.prefix) / "bin" / "agentenv")
 RAW_PORT = 49983
 MiB = 1024 * 1024
@@ -86,6 +86,19 @@ async def main():
     await server.serve_forever()
 asyncio.run(main())
 """.replace("PORT", str(PROXY_APP_PORT))
+
+# The templates benchmark's service: loads (hashes) a 64 MiB dataset, then serves it on :8000.
+TEMPLATE_APP = r"""
+import hashlib, http.server
+digest = hashlib.sha256(open("/home/user/data.bin", "rb").read()).hexdigest().encode()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", str(len(digest))); self.end_headers()
+        self.wfile.write(digest)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
+"""
 
 NGINX_CONF = """
 worker_processes 1;
@@ -852,7 +865,8 @@ class Bench:
     def run_all(self, only: set[str]) -> None:
         steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
                  ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot),
-                 ("firecracker", self.bench_firecracker), ("qemu", self.bench_qemu), ("proxy", self.bench_proxy), ("metrics", self.bench_metrics)]
+                 ("firecracker", self.bench_firecracker), ("qemu", self.bench_qemu), ("proxy", self.bench_proxy), ("metrics", self.bench_metrics),
+                 ("templates", self.bench_templates)]
         for name, fn in steps:
             if only and name not in only:
                 continue
@@ -947,6 +961,84 @@ class Bench:
         finally:
             list(self.pool.map(_kill, made))
         self.results["metrics"] = res
+
+    # 7 ------------------------------------------------------------------
+    def bench_templates(self) -> None:
+        """Template-based create (a restore with the service already running) vs the base image.
+
+        The service: a Python HTTP server that hashes a 64 MiB dataset before it listens (a stand-in
+        for an app with dependencies and data to load). Compared: (a) create from the template until
+        the service answers; (b) create from the base image until a first command answers (no
+        service); (c) create from the base image, run the same setup, start the service, wait until it
+        answers (what a template saves). Also: the build itself, uncached and fully cached.
+        """
+        import base64
+
+        from e2b import Template, wait_for_port
+        from e2b.sandbox.commands.command_handle import CommandExitException
+
+        n = 8 if self.quick else 20
+        app = base64.b64encode(TEMPLATE_APP.encode()).decode()
+        setup = (f"head -c {64 * MiB} /dev/urandom > /home/user/data.bin && "
+                 f"echo {app} | base64 -d > /home/user/app.py")
+        start = "python3 /home/user/app.py"
+        name = f"bench-tpl-{secrets.token_hex(3)}"
+
+        def template():
+            return Template().from_base_image().run_cmd(setup).set_start_cmd(start, wait_for_port(8000))
+
+        def answered(sbx) -> None:
+            while True:
+                try:
+                    sbx.commands.run("curl -sf http://127.0.0.1:8000/ >/dev/null")
+                    return
+                except CommandExitException:
+                    time.sleep(0.05)
+
+        t0 = time.monotonic()
+        Template.build(template(), name)
+        build_first = time.monotonic() - t0
+        logs: list[str] = []
+        t0 = time.monotonic()
+        Template.build(template(), name, on_build_logs=lambda e: logs.append(str(e.message)))
+        build_cached = time.monotonic() - t0
+        cached_steps = sum(1 for m in logs if m.startswith("CACHED"))
+        log(f"templates: build {build_first:.1f}s uncached, {build_cached:.1f}s with {cached_steps} cached step(s)")
+        tpl, tpl_call, base, base_call, manual = [], [], [], [], []
+        try:
+            for _ in range(n):
+                t0 = time.monotonic()
+                sbx = self.create(template=name)
+                t1 = time.monotonic()
+                answered(sbx)
+                tpl.append(time.monotonic() - t0)
+                tpl_call.append(t1 - t0)
+                sbx.kill()
+                t0 = time.monotonic()
+                sbx = self.create()
+                t1 = time.monotonic()
+                sbx.commands.run("true")
+                base.append(time.monotonic() - t0)
+                base_call.append(t1 - t0)
+                sbx.kill()
+                t0 = time.monotonic()
+                sbx = self.create()
+                sbx.commands.run(setup)
+                sbx.commands.run(start, background=True)
+                answered(sbx)
+                manual.append(time.monotonic() - t0)
+                sbx.kill()
+        finally:
+            import requests
+
+            requests.delete(f"{self.srv.url}/templates/{name}", headers={"X-API-KEY": self.srv.key}, timeout=120)
+        self.results["templates"] = {
+            "build_uncached_s": build_first, "build_cached_s": build_cached, "cached_steps": cached_steps,
+            "template_to_service": stats(tpl), "template_create_call": stats(tpl_call),
+            "base_to_first_cmd": stats(base), "base_create_call": stats(base_call),
+            "base_setup_start_to_service": stats(manual)}
+        log(f"templates: template→service p50 {stats(tpl)['p50']:.2f}s, base→first cmd p50 "
+            f"{stats(base)['p50']:.2f}s, base+setup+start→service p50 {stats(manual)['p50']:.2f}s")
 
     def bench_firecracker(self) -> None:
         """Firecracker snapshot load through our runtime vs the bare VMM (benchmarks/firecracker_bench.py)."""
@@ -1149,6 +1241,22 @@ def report(res: dict) -> str:
                      f"{ms1(r['sampler_pass']['p50'])} / {ms1(r['sampler_pass']['max'])} | "
                      f"{r['server_cpu_idle_cores']:.3f} cores |")
         L.append("")
+    tp = res.get("templates")
+    if tp:
+        L += ["### 7. Templates: create from a template vs from the base image", "",
+              f"Build of the benchmark template (base + 1 RUN writing a 64 MiB dataset + start command): "
+              f"{s_(tp['build_uncached_s'])} uncached, {s_(tp['build_cached_s'])} rebuilt with "
+              f"{tp['cached_steps']} step(s) from the cache.", "",
+              "| | n | p50 | p95 | max |", "|---|---|---|---|---|"]
+        for label, k in [("**template**: `Sandbox.create(tpl)` → service answers (restore, already running)",
+                          "template_to_service"),
+                         ("  of which `Sandbox.create(tpl)`", "template_create_call"),
+                         ("**base image**: `Sandbox.create()` → first command (no service)", "base_to_first_cmd"),
+                         ("  of which `Sandbox.create()`", "base_create_call"),
+                         ("**base image + same setup + start** → service answers", "base_setup_start_to_service")]:
+            st = tp[k]
+            L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
+        L.append("")
     if "firecracker" in res:
         import firecracker_bench
 
@@ -1256,7 +1364,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
     ap.add_argument("--only", default="",
-                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics,cluster")
+                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics,cluster,templates")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)

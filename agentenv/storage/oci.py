@@ -259,10 +259,18 @@ def _pull_sync(images, ref: str, registry: dict | None, progress) -> str:
     import oras.container
     import oras.provider
 
+    import socket
+
     full = normalize_ref(ref)
     host, _, rest = full.partition("/")
     if host == "docker.io":
         host = "registry-1.docker.io"
+    name, _, port = host.partition(":")
+    try:  # fail fast: the client's own retries take minutes against an unreachable host
+        socket.create_connection((name, int(port or 443)), timeout=5).close()
+    except OSError as e:
+        raise BadRequest(f"image {ref!r} is not imported on this node and its registry {host} is not "
+                         f"reachable ({e}); import it with `agentenv image import`") from None
     reg = oras.provider.Registry(hostname=host, insecure=False)
     if registry and registry.get("username"):
         reg.set_basic_auth(registry["username"], registry.get("password", ""))

@@ -219,3 +219,29 @@ def test_unknown_image_fails_the_build_clearly(server):
         Template.build(Template().from_image(f"does-not-exist-{secrets.token_hex(3)}:1"), name)
     assert "agentenv image import" in str(ei.value) or "cannot pull" in str(ei.value)
     requests.delete(f"{server.api_url}/templates/{name}", headers={"X-API-KEY": server.api_key}, timeout=60)
+
+
+def _registry_reachable(host: str = "registry-1.docker.io") -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _registry_reachable(), reason="no container registry (registry-1.docker.io) reachable here")
+def test_pull_alpine_from_registry(server):
+    name = f"alpine-pulled-{secrets.token_hex(3)}"
+    info = Template.build(Template().from_image("alpine:3.20").run_cmd("cat /etc/alpine-release > /home/user/rel"),
+                          name)
+    try:
+        sbx = Sandbox.create(name, timeout=120)
+        try:
+            assert sbx.commands.run("cat /home/user/rel").stdout.startswith("3.20")
+        finally:
+            sbx.kill()
+    finally:
+        requests.delete(f"{server.api_url}/templates/{info.template_id}", headers={"X-API-KEY": server.api_key},
+                        timeout=60)
