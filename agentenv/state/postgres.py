@@ -234,6 +234,9 @@ class PostgresStateStore:
                                        "ORDER BY created_at, build_id", template_id)
         return [self._build(r) for r in rows]
 
+    async def delete_build(self, build_id: str) -> None:
+        await self._p.execute("DELETE FROM template_builds WHERE build_id = $1", build_id)
+
     async def put_tag(self, rec: TemplateTag) -> None:
         await self._p.execute(
             "INSERT INTO template_tags (template_id, tag, build_id, created_at) VALUES ($1, $2, $3, $4) "
