@@ -61,7 +61,10 @@ async def _cycle_steps(i: int, opts: dict, stats: Counter, deadline: float) -> s
     stats["created"] += 1
     try:
         try:
-            out = await sbx.commands.run(f"echo cycle-{i}", request_timeout=REQUEST_TIMEOUT_S)
+            # `timeout` bounds the command's own run (SDK default 60 s), which at load 50 on two
+            # shared cores an `echo` in a sandbox among ~50 busy ones can exceed.
+            out = await sbx.commands.run(f"echo cycle-{i}", timeout=REQUEST_TIMEOUT_S,
+                                         request_timeout=REQUEST_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"command: {type(e).__name__}: {e}") from e
         if out.stdout.strip() != f"cycle-{i}":
