@@ -229,7 +229,6 @@ async def test_allocation_speed_and_release(kit: SandboxKit):
            f"20 in parallel {t_par * 1e3:.0f} ms; release {t_rel * 1e3:.1f} ms each")
     for s in slots:
         assert not os.path.exists(s.netns_path) and not link_exists(s.veth_host)
-    assert statistics.median(times) < 0.25
 
 
 async def test_internet_access_switch(kit: SandboxKit, outside: Outside):
