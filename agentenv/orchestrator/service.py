@@ -884,6 +884,9 @@ class Orchestrator:
     def paused_ids(self) -> set[str]:
         return {sid for sid, r in self._records.items() if r.state == SandboxState.PAUSED}
 
+    def running_ids(self) -> set[str]:
+        return {sid for sid, r in self._records.items() if r.state == SandboxState.RUNNING}
+
     async def connect_sandbox(self, sandbox_id: str, timeout: int, *, team_id: str) -> tuple[SandboxRecord, bool]:
         self._check_timeout(timeout)
         async with self.lifecycle.lock(sandbox_id):
