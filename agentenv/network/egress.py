@@ -40,6 +40,9 @@ EGRESS_PROXY_PORT = 49980
 PEEK_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
 MAX_HEAD = 16 * 1024
+# Proxied (or being inspected) connections per sandbox: beyond this, new ones are reset at once, so
+# a guest opening connections in a loop cannot exhaust the server process's file descriptors.
+MAX_CONNS_PER_SANDBOX = 256
 _SO_ORIGINAL_DST = 80
 _CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -275,7 +278,9 @@ class EgressProxy:
     async def _serve(self, sandbox_id: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         box = self._boxes.get(sandbox_id)
-        if box is None or task is None:
+        if box is None or task is None or len(box.conns) >= MAX_CONNS_PER_SANDBOX:
+            if box is not None:
+                self.stats["refused"] += 1
             _reset(writer)
             return
         box.conns.add(task)

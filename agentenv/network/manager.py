@@ -456,8 +456,9 @@ class NetworkManager:
     async def apply_policy(self, slot: NetSlot, policy: EgressPolicy) -> NetSlot:
         """Replace the slot's egress rules live (one atomic nft transaction); returns the slot as updated.
 
-        Flows the new rules deny are cut at their next packet; connections already handed to the
-        egress proxy keep going (they were checked when they opened).
+        Flows the new rules deny are cut at their next packet. Connections already handed to the
+        egress proxy were checked when they opened and keep going while the sandbox still has
+        domain rules; removing all of them closes the proxy (and resets those connections).
         """
         if policy.inspects:
             await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)  # listen before redirecting

@@ -13,7 +13,7 @@ from e2b import Sandbox
 from netpolicy_util import (INSTANCE, Hosts, Tracker, add_hosts, body, host_addresses, host_reachable, ok, probe,
                       run, slot_addresses, wait_for)
 
-from agentenv.network.egress import EGRESS_PROXY_PORT
+from agentenv.network.egress import EGRESS_PROXY_PORT, MAX_CONNS_PER_SANDBOX
 from agentenv.network.slots import SlotNames
 
 pytestmark = pytest.mark.timeout(600)
@@ -133,6 +133,40 @@ def assert_domain_rules(sbx: Sandbox, test_hosts: Hosts) -> None:
 
 def test_domain_allowlist_http_and_https(domain_sbx: Sandbox, test_hosts: Hosts):
     assert_domain_rules(domain_sbx, test_hosts)
+
+
+def test_connection_flood_is_capped(domain_sbx: Sandbox, test_hosts: Hosts):
+    """Connections waiting for inspection are capped per sandbox: a flood is reset, not queued up
+    in the server (whose file descriptors every sandbox shares), and the sandbox keeps working."""
+    flood = (
+        "import socket, struct, time\n"
+        "socks, reset = [], 0\n"
+        "for _ in range(400):\n"
+        "    try:\n"
+        f"        s = socket.create_connection(('{test_hosts.public}', 80), timeout=5)\n"
+        "    except ConnectionResetError:  # the reset can beat the end of connect()\n"
+        "        reset += 1\n"
+        "        continue\n"
+        "    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))\n"
+        "    socks.append(s)\n"
+        "time.sleep(1)\n"
+        "held = 0\n"
+        "for s in socks:\n"
+        "    s.settimeout(0.01)\n"
+        "    try:\n"
+        "        reset += s.recv(1) == b''\n"
+        "    except ConnectionResetError:\n"
+        "        reset += 1\n"
+        "    except socket.timeout:\n"
+        "        held += 1\n"
+        "for s in socks:\n"
+        "    s.close()\n"
+        "print(reset, held)\n")
+    domain_sbx.files.write("/tmp/flood.py", flood)
+    reset, held = map(int, domain_sbx.commands.run("python3 /tmp/flood.py", timeout=120).stdout.split())
+    assert 0 < held <= MAX_CONNS_PER_SANDBOX and reset + held == 400, (reset, held)
+    # the guest's resets free the slots again
+    wait_for(lambda: ok(probe(domain_sbx, [https("allowed.test")])[0]), "a proxied connection after the flood", 20)
 
 
 def test_rules_change_live(plain: Sandbox, test_hosts: Hosts, server):
