@@ -188,6 +188,16 @@ def test_rules_change_live(plain: Sandbox, test_hosts: Hosts, server):
     assert f":{EGRESS_PROXY_PORT:X}" not in run("ip", "netns", "exec", ns, "cat", "/proc/net/tcp").stdout.upper()
 
 
+def test_rules_changed_while_paused_apply_on_resume(tracker: Tracker, test_hosts: Hosts):
+    sbx = tracker.create()
+    assert ok(probe(sbx, [http(test_hosts.public)])[0])
+    assert sbx.pause()
+    sbx.update_network({"deny_out": [f"{test_hosts.public}/32"]})
+    resumed = Sandbox.connect(sbx.sandbox_id)
+    r = probe(resumed, [http(test_hosts.public), http(test_hosts.public2)])
+    assert not ok(r[0]) and ok(r[1]), r
+
+
 def test_fork_and_snapshot_keep_the_rules(domain_sbx: Sandbox, tracker: Tracker, test_hosts: Hosts, server):
     # A proxied connection held open by a guest process counts like a direct one: the capture is
     # refused (503, the sandbox keeps running) until the process lets go of it.
