@@ -497,6 +497,11 @@ class QemuRuntime:
             except (FileNotFoundError, NotADirectoryError):
                 pass
 
+    async def close(self) -> None:
+        """Server shutdown: drop the QMP sessions (the VMs themselves keep running or were stopped)."""
+        for sid in list(self._qmp):
+            await self._drop_client(sid)
+
     async def is_alive(self, sandbox_id: str) -> bool:
         return self._pid(sandbox_id) is not None
 
