@@ -153,23 +153,11 @@ class QemuRuntime:
         return pid if _pid_alive(pid) else None
 
     async def _client(self, sandbox_id: str):
-        from qemu.qmp import QMPClient
-
         c = self._qmp.get(sandbox_id)
         if c is not None and c.runstate.name == "RUNNING":
             return c
-        # QEMU serves one QMP client at a time: a client that went away (e.g. a crashed server's)
-        # may still be being torn down on QEMU's side, which resets the next connection: retry.
-        for attempt in range(5):
-            c = QMPClient(f"agentenv-{sandbox_id}")
-            try:
-                await asyncio.wait_for(c.connect(str(self._bundle(sandbox_id) / "qmp.sock")), QMP_TIMEOUT)
-                break
-            except Exception as e:  # noqa: BLE001 - qemu.qmp ConnectError wraps OSError
-                if attempt == 4 or self._pid(sandbox_id) is None:
-                    raise
-                log.info("QMP connect to %s failed (%s); retrying", sandbox_id, e)
-                await asyncio.sleep(0.2 * (attempt + 1))
+        c = await _qmp_connect(self._bundle(sandbox_id) / "qmp.sock", f"agentenv-{sandbox_id}",
+                               lambda: self._pid(sandbox_id) is not None)
         self._qmp[sandbox_id] = c
         return c
 
@@ -389,8 +377,6 @@ class QemuRuntime:
         -S) loads that stream into a fresh shared RAM file, then saves again with x-ignore-shared:
         the image ends up as RAM file + small device state, like a cold-booted VM's.
         """
-        from qemu.qmp import QMPClient
-
         b = self._bundle(sandbox_id)
         full = image_dir / FULL_STATE_FILE
         ram = image_dir / RAM_FILE
@@ -423,14 +409,14 @@ class QemuRuntime:
             logf.flush()
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True)
-        c = QMPClient(f"agentenv-helper-{sandbox_id}")
+        c = None
         try:
             deadline = time.monotonic() + START_TIMEOUT
             while not sock.exists():
                 if proc.returncode is not None or time.monotonic() > deadline:
                     raise RuntimeFailure(f"helper qemu did not start: {_tail(b / QEMU_LOG)}")
                 await asyncio.sleep(0.01)
-            await asyncio.wait_for(c.connect(str(sock)), QMP_TIMEOUT)
+            c = await _qmp_connect(sock, f"agentenv-helper-{sandbox_id}", lambda: proc.returncode is None)
 
             async def wait(cmd: str, done) -> None:
                 end = time.monotonic() + MIGRATE_TIMEOUT
@@ -455,7 +441,8 @@ class QemuRuntime:
             raise
         finally:
             try:
-                await asyncio.wait_for(c.disconnect(), 5)
+                if c is not None:
+                    await asyncio.wait_for(c.disconnect(), 5)
             except Exception:  # noqa: BLE001
                 pass
             if proc.returncode is None:
@@ -523,6 +510,24 @@ class QemuRuntime:
 
     async def query_balloon(self, sandbox_id: str) -> int:
         return int((await self.qmp(sandbox_id, "query-balloon"))["actual"]) >> 20
+
+
+async def _qmp_connect(sock: Path, name: str, alive) -> Any:
+    """A QMP session on `sock`, retried: the socket file appears (bind) a moment before QEMU
+    listens, and a vanished client's session (a crashed server's) may still be being torn down."""
+    from qemu.qmp import QMPClient
+
+    for attempt in range(8):
+        c = QMPClient(name)
+        try:
+            await asyncio.wait_for(c.connect(str(sock)), QMP_TIMEOUT)
+            return c
+        except Exception as e:  # noqa: BLE001 - qemu.qmp's ConnectError wraps the OSError
+            if attempt == 7 or not alive():
+                raise
+            log.info("QMP connect to %s failed (%s); retrying", sock, e)
+            await asyncio.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _tail(path: Path, limit: int = 1500) -> str:
