@@ -107,6 +107,22 @@ def _pid_alive(pid: int) -> bool:
         return False
 
 
+def _fully_exited(pid: int) -> bool:
+    """Gone, or a zombie whose every thread has exited and released its files (tap, locks).
+
+    A multi-threaded process's leader shows as a zombie while its other threads still exit and
+    hold the fd table: the tap is not free yet then.
+    """
+    try:
+        if _pid_alive(pid):
+            return False
+        return not os.listdir(f"/proc/{pid}/fd") and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except FileNotFoundError:
+        return True
+    except PermissionError:
+        return False
+
+
 class QemuRuntime:
     """Runtime protocol implementation on top of qemu-system-x86_64 + QMP."""
 
@@ -467,9 +483,9 @@ class QemuRuntime:
                 await asyncio.wait_for(proc.wait(), 10)
             except asyncio.TimeoutError:
                 raise RuntimeFailure(f"qemu of {sandbox_id} did not exit") from None
-        elif pid is not None:
+        elif pid is not None:  # not our child (started by a previous server process)
             deadline = time.monotonic() + 10
-            while _pid_alive(pid):
+            while not _fully_exited(pid):
                 if time.monotonic() > deadline:
                     raise RuntimeFailure(f"qemu of {sandbox_id} (pid {pid}) did not exit")
                 await asyncio.sleep(0.02)
