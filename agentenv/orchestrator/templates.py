@@ -272,6 +272,8 @@ class TemplateService:
                 memory.add(b.memory_digest)
         for e in await self.store.list_cache_entries():
             layers.update(e.get("layers", []))
+            if e.get("memory"):
+                memory.add(e["memory"])
         return layers, memory
 
     # ------------------------------------------------------------------ API operations
@@ -521,7 +523,24 @@ class TemplateService:
         if done < len(steps):
             chain = await self._run_steps(build, blog, chain, steps, keys, done)
         spec["finalState"] = chain.state.to_json()
+        # The commit too is cached: same final filesystem + start/ready command + resources -> the
+        # same snapshot (unless forced). Its key includes the tools layer, whose envd the memory holds.
+        tools = (await self.orch.images.ensure_tools()).name
+        commit_key = "commit:" + _h(chain.key, spec.get("startCmd") or "", spec.get("readyCmd") or "",
+                                    str(build.cpu_count), str(build.memory_mb), tools, self.orch.runtime.name)
+        forced = bool(spec.get("force")) or any(st.get("force") for st in steps)
+        entry = None if forced else await self.store.get_cache_entry(commit_key)
+        if entry is not None and self.orch.artifacts.memory_dir(entry["memory"]).is_dir() and all(
+                self.orch.artifacts.layer_dir(d).is_dir() for d in entry["layers"]):
+            build.image, build.layers, build.memory_digest = entry["image"], list(entry["layers"]), entry["memory"]
+            build.restore_token = entry["restoreToken"]
+            await self.store.put_build(build)
+            blog.add("CACHED commit: the start command's snapshot of an identical build is reused", step="finalize")
+            return
         await self._commit(build, blog, chain)
+        await self.store.put_cache_entry(commit_key, build.template_id, {
+            "image": build.image, "layers": list(build.layers), "memory": build.memory_digest,
+            "restoreToken": build.restore_token, "state": chain.state.to_json()})
 
     async def _boot(self, build: TemplateBuildRecord, chain: Chain, prefix: str, env: dict[str, str],
                     *, internet: bool) -> SandboxRecord:

@@ -140,6 +140,21 @@ def test_second_build_reuses_cached_prefix(server, built, context_dir):
     assert {"default", "v2"} <= tags
 
 
+def test_unchanged_template_rebuild_is_fully_cached(server, built, context_dir):
+    logs: list[str] = []
+    t0 = time.monotonic()
+    Template.build(make_template(context_dir, built["marker"]), built["name"] + ":again", on_build_logs=_logs(logs))
+    took = time.monotonic() - t0
+    assert len([m for m in logs if m.startswith("CACHED [")]) == 8, logs
+    assert any(m.startswith("CACHED commit") for m in logs), logs
+    sbx = Sandbox.create(built["name"] + ":again", timeout=120)
+    try:
+        assert sbx.commands.run("curl -s http://127.0.0.1:8000/index.html").stdout.strip() == "served-content"
+    finally:
+        sbx.kill()
+    print(f"fully cached rebuild took {took:.2f}s (first build {built['seconds']:.2f}s)")
+
+
 def test_from_template_builds_on_another_template(server, built):
     name = f"child-{secrets.token_hex(4)}"
     t = (Template().from_template(built["name"])
