@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 
@@ -87,6 +87,20 @@ class Settings(BaseSettings):
     # the env var, e.g. AGENTENV_EGRESS_ALLOW_CIDRS='["10.1.2.3/32"]'. Loopback, the slot subnet and
     # the host's own addresses stay closed whatever this says.
     egress_allow_cidrs: list[str] = Field(default_factory=list)
+
+    @field_validator("egress_allow_cidrs")
+    @classmethod
+    def _ipv4_cidrs(cls, v: list[str]) -> list[str]:
+        import ipaddress
+
+        for entry in v:
+            try:
+                net = ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(f"egress_allow_cidrs: {entry!r} is not an IPv4 address or CIDR") from None
+            if net.version != 4:
+                raise ValueError(f"egress_allow_cidrs: {entry!r} is not IPv4 (sandboxes have no IPv6)")
+        return v
 
     # Snapshot store: "local" (a directory; default <data_dir>/snapshots) or "s3" (any S3-compatible store).
     snapshot_store: str = "local"

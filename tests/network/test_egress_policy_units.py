@@ -88,3 +88,14 @@ def test_platform_sets():
     assert "127.0.0.0/8" in hard and "10.213.0.0/16" in hard
     assert {"10.0.0.0/8", "100.64.0.0/10", "169.254.0.0/16", "172.16.0.0/12", "192.168.0.0/16"} <= set(platform)
     assert opened == ["10.215.0.0/16"]
+
+
+def test_operator_setting_is_validated():
+    from pydantic import ValidationError
+
+    from agentenv.config import Settings
+
+    assert Settings(egress_allow_cidrs=["10.1.2.3", "172.20.0.0/16"]).egress_allow_cidrs == ["10.1.2.3", "172.20.0.0/16"]
+    for bad in (["nope"], ["fd00::/8"]):
+        with pytest.raises(ValidationError, match="egress_allow_cidrs"):
+            Settings(egress_allow_cidrs=bad)
