@@ -62,6 +62,14 @@ class Settings(BaseSettings):
     # (`agentenv teams set-quota`). Exceeding it answers 429 (E2B SDKs: RateLimitException).
     max_sandboxes_per_team: int = Field(default=100, ge=0)
     max_upload_bytes: int = 1024 * 1024 * 1024
+    # Per-sandbox disk quota on the writable layer (the template's disk size): "loop" gives each
+    # sandbox's upper its own sparse ext4 image, loop-mounted; "off" lets uppers share the data dir's
+    # filesystem. See storage/quota.py and docs/security.md.
+    disk_quota: str = Field(default="off", pattern=r"^(loop|off)$")
+    # Open files per process inside a sandbox (RLIMIT_NOFILE, soft = hard).
+    sandbox_nofile: int = Field(default=65536, ge=64, le=1048576)
+    # Bandwidth cap per sandbox and direction in Mbit/s (tc tbf in the slot's netns); 0 = none.
+    sandbox_bandwidth_mbit: int = Field(default=0, ge=0)
     fork_max_count: int = Field(default=16, ge=1, le=100)  # children per fork call (E2B allows up to 100)
     # Create sandboxes by restoring a pre-booted, checkpointed sandbox of the template (about 2x
     # faster than booting); built in the background at start, cold boot until it is ready.

@@ -79,7 +79,7 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     snapshot_store = store_from_settings(settings)
     if isinstance(snapshot_store, S3SnapshotStore):
         await snapshot_store.ensure_bucket()
-    orch = Orchestrator(settings, store, images, RootfsManager(settings.paths), NetworkManager(settings),
+    orch = Orchestrator(settings, store, images, RootfsManager(settings.paths, settings.disk_quota), NetworkManager(settings),
                         runtime, ArtifactCache(settings.data_dir, snapshot_store),
                         publish_paused=publish_paused)
     proxy = TrafficProxy(orch, domain=settings.sandbox_domain())

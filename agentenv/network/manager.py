@@ -54,6 +54,7 @@ from agentenv.network.slots import (
     slot_addresses,
     slot_capacity,
 )
+from agentenv.network.shaping import cap_bandwidth
 from agentenv.runtimes._proc import run_cmd
 
 log = logging.getLogger(__name__)
@@ -452,6 +453,7 @@ class NetworkManager:
         self._policies[slot.sandbox_id] = policy
         if slot.allow_internet:
             await self.set_internet(slot, True)
+        await cap_bandwidth(slot, self.settings.sandbox_bandwidth_mbit)
 
     async def apply_policy(self, slot: NetSlot, policy: EgressPolicy) -> NetSlot:
         """Replace the slot's egress rules live (one atomic nft transaction); returns the slot as updated.

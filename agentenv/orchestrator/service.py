@@ -127,6 +127,9 @@ class Orchestrator:
     async def start(self) -> None:
         """Reconcile with what survived a restart, then start the TTL reaper."""
         await self.network.setup_host()
+        quota = getattr(self.rootfs, "quota", None)
+        if quota is not None:
+            quota.probe()  # disk_quota=loop without its tools fails the start here
         await self._ensure_default_templates()
         await self._reconcile()
         await self.gc_artifacts()
@@ -500,7 +503,8 @@ class Orchestrator:
             sandbox_id=rec.sandbox_id, rootfs=rootfs, tools_dir=tools, slot=slot,
             bundle_dir=self.paths.sandbox_dir(rec.sandbox_id) / "bundle",
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
-            args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self._lowers(rec))
+            args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self._lowers(rec),
+            nofile=self.settings.sandbox_nofile)
 
     async def _attach_vm_boot(self, spec: SandboxSpec) -> None:
         """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""
@@ -551,10 +555,10 @@ class Orchestrator:
         if slot is None:
             policy = self._policy(rec)
             rootfs, slot = await asyncio.gather(
-                self.rootfs.prepare(rec.sandbox_id, self._lowers(rec)),
+                self.rootfs.prepare(rec.sandbox_id, self._lowers(rec), disk_mb=rec.disk_mb),
                 self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress, policy=policy))
         else:
-            rootfs = await self.rootfs.prepare(rec.sandbox_id, self._lowers(rec))
+            rootfs = await self.rootfs.prepare(rec.sandbox_id, self._lowers(rec), disk_mb=rec.disk_mb)
         self._slots[rec.sandbox_id] = slot
         spec = self._spec(rec, rootfs, slot, tools)
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)

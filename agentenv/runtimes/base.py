@@ -58,6 +58,7 @@ class SandboxSpec:
     # What `rootfs` is made of, top first (layers, then the base image): VM runtimes build their
     # read-only root drive from it once and key the drive by it.
     lowers: list[Path] = field(default_factory=list)
+    nofile: int = 65536                                 # RLIMIT_NOFILE of the sandbox's processes
 
 
 class Runtime(Protocol):

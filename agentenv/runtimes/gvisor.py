@@ -74,7 +74,7 @@ def build_oci_spec(spec: SandboxSpec) -> dict[str, Any]:
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "capabilities": {k: list(_CAPS) for k in ("bounding", "effective", "inheritable", "permitted")},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1048576, "soft": 1048576}],
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": spec.nofile, "soft": spec.nofile}],
         },
         "root": {"path": str(spec.rootfs), "readonly": False},
         "hostname": spec.hostname,

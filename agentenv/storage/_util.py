@@ -90,6 +90,7 @@ class MountEntry:
     fstype: str
     source: str
     root: str
+    super_options: str = ""
 
 
 def _unescape(field: str) -> str:
@@ -113,7 +114,8 @@ def read_mountinfo(path: str = "/proc/self/mountinfo") -> list[MountEntry]:
             lf, rf = left.split(), right.split()
             if len(lf) < 5 or len(rf) < 2:
                 continue
-            entries.append(MountEntry(_unescape(lf[4]), rf[0], _unescape(rf[1]), _unescape(lf[3])))
+            entries.append(MountEntry(_unescape(lf[4]), rf[0], _unescape(rf[1]), _unescape(lf[3]),
+                                      rf[2] if len(rf) > 2 else ""))
     return entries
 
 

@@ -14,6 +14,7 @@ start a sandbox from a snapshot that exists only in the store.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -82,7 +83,14 @@ class ArtifactCache:
                     shutil.rmtree(src, ignore_errors=True)
                 else:
                     dst.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(src, dst)
+                    try:
+                        os.replace(src, dst)
+                    except OSError as e:
+                        if e.errno != errno.EXDEV:
+                            raise
+                        # src is on another filesystem (a per-sandbox disk image): extract the blob.
+                        await layer_tar.unpack(self.local.blob_path(kind, digest), dst)
+                        shutil.rmtree(src, ignore_errors=True)
         finally:
             Path(tmp).unlink(missing_ok=True)
         return digest

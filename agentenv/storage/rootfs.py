@@ -21,7 +21,8 @@ from pathlib import Path
 from agentenv.config import Paths
 from agentenv.constants import TOOLS_MOUNT
 from agentenv.errors import BadRequest, NotFound, RuntimeFailure
-from agentenv.storage._util import mount, mounts_under, read_mountinfo, run, umount_all_under
+from agentenv.storage._util import mount, mounts_under, read_mountinfo, run, umount, umount_all_under
+from agentenv.storage.quota import DiskQuota
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,9 @@ COPY_TIMEOUT = 30 * 60
 class RootfsManager:
     """Creates and tears down the overlay root of each sandbox."""
 
-    def __init__(self, paths: Paths) -> None:
+    def __init__(self, paths: Paths, disk_quota: str = "off") -> None:
         self.paths = paths
+        self.quota = DiskQuota(disk_quota)
 
     def _dir(self, sandbox_id: str) -> Path:
         if not _ID_RE.match(sandbox_id):
@@ -44,17 +46,20 @@ class RootfsManager:
         return self._dir(sandbox_id) / "rootfs"
 
     def upper_path(self, sandbox_id: str) -> Path:
-        return self._dir(sandbox_id) / "upper"
+        d = self._dir(sandbox_id)
+        disk = self.quota.mount_point(d)
+        return disk / "upper" if self.quota.enabled and (d / "disk.img").exists() else d / "upper"
 
     def is_mounted(self, sandbox_id: str) -> bool:
         target = os.path.realpath(self.rootfs_path(sandbox_id))
         return any(m.mount_point == target for m in read_mountinfo())
 
-    async def prepare(self, sandbox_id: str, lowers: list[Path]) -> Path:
+    async def prepare(self, sandbox_id: str, lowers: list[Path], disk_mb: int | None = None) -> Path:
         """Mount overlay(lowers, top first; upper=<sandbox_dir>/upper) at <sandbox_dir>/rootfs.
 
         An existing upper (e.g. from `copy_upper`) is kept. Calling it again on a mounted
-        sandbox returns the same path.
+        sandbox returns the same path. With `disk_mb` a new upper gets a disk quota of that size
+        where the filesystem supports it (see storage/quota.py).
         """
         if not lowers:
             raise BadRequest("at least one lower layer is required")
@@ -64,13 +69,17 @@ class RootfsManager:
             if any(c in str(low) for c in ",:\\"):
                 raise BadRequest(f"lower layer path {low} contains a character overlayfs cannot take")
         d = self._dir(sandbox_id)
-        return await asyncio.to_thread(self._prepare, d, [Path(p).resolve() for p in lowers])
+        base = d
+        if disk_mb and not self.is_mounted(sandbox_id) and not (d / "upper").exists():
+            base = await self.quota.ensure(d, disk_mb) or d
+        return await asyncio.to_thread(self._prepare, d, [Path(p).resolve() for p in lowers], base)
 
-    def _prepare(self, d: Path, lowers: list[Path]) -> Path:
+    def _prepare(self, d: Path, lowers: list[Path], base: Path | None = None) -> Path:
         target = d / "rootfs"
         if self.is_mounted(d.name):
             return target
-        upper, work = d / "upper", d / "work"
+        base = base or d
+        upper, work = base / "upper", base / "work"
         for p in (upper, work, target):
             p.mkdir(parents=True, exist_ok=True)
         # The runtime mounts the tools layer here; give it a mount point without writing into the sandbox later.
@@ -92,14 +101,14 @@ class RootfsManager:
     def _release(d: Path) -> None:
         if not d.exists():
             return
-        umount_all_under(d)  # the overlay and anything a runtime mounted below the sandbox dir
+        _umount_rootfs_first(d)  # the overlay and anything a runtime mounted below the sandbox dir
         shutil.rmtree(d)
 
     async def unmount(self, sandbox_id: str) -> None:
         """Unmount the overlay but keep upper/ and the rest of the sandbox dir (pause, sealing)."""
         d = self._dir(sandbox_id)
         if d.exists():
-            await asyncio.to_thread(umount_all_under, d)
+            await asyncio.to_thread(_umount_rootfs_first, d)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Unmount and delete sandbox dirs (and stray mounts below them) whose id is not in `keep`."""
@@ -144,3 +153,11 @@ class RootfsManager:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return dst
+
+
+def _umount_rootfs_first(d: Path) -> None:
+    """The overlay before the disk image its upper lives on (same depth, so order it explicitly)."""
+    rootfs = d / "rootfs"
+    if os.path.realpath(rootfs) in mounts_under(rootfs):
+        umount(os.path.realpath(rootfs))
+    umount_all_under(d)
