@@ -107,6 +107,8 @@ def _decode_json(data: bytes) -> Any:
         return json.loads(data)
     except ValueError as exc:
         raise ConnectError("invalid_argument", f"invalid JSON: {exc}") from None
+    except RecursionError:
+        raise ConnectError("invalid_argument", "invalid JSON: nested too deeply") from None
 
 
 def _unary_error(err: ConnectError) -> web.Response:
@@ -114,6 +116,12 @@ def _unary_error(err: ConnectError) -> web.Response:
 
 
 def _internal(exc: BaseException) -> ConnectError:
+    """A handler failure as a Connect error. ValueError/TypeError come from request values that the
+    handler could not use (a string where a number belongs, a NUL byte in a path, ...): the caller's
+    fault (invalid_argument, 400), not the server's."""
+    if isinstance(exc, (ValueError, TypeError)):
+        log.info("rejected RPC argument: %s", exc)
+        return ConnectError("invalid_argument", f"invalid argument: {exc}" if str(exc) else "invalid argument")
     log.exception("unhandled error in RPC handler", exc_info=exc)
     return ConnectError("internal", str(exc) or type(exc).__name__)
 

@@ -98,6 +98,13 @@ def check_access(request: web.Request, state: EnvdState, operation: str) -> None
             raise HTTPFail(401, "signature is already expired")
 
 
+def _resolve(raw: str, user: User) -> str:
+    try:
+        return resolve_path(raw, user)
+    except ValueError as exc:
+        raise HTTPFail(400, f"invalid path: {exc}") from None
+
+
 def files_user(request: web.Request, state: EnvdState) -> User:
     name = request.query.get("username") or basic_auth_user(request) or state.default_user
     try:
@@ -195,7 +202,7 @@ async def get_files(request: web.Request) -> web.StreamResponse:
         raw_path = request.query.get("path")
         if not raw_path:
             raise HTTPFail(400, "path is required")
-        path = resolve_path(raw_path, user)
+        path = _resolve(raw_path, user)
         try:
             fd, st = await state.executor.run(user, _open_read, path)
         except OSError as exc:
@@ -331,6 +338,19 @@ async def _part_chunks(part):
         yield chunk
 
 
+async def _guard_multipart(aw):
+    """Awaits a step that parses the multipart body: aiohttp's ValueError/AssertionError there mean
+    a malformed body, the client's error (400), not ours."""
+    try:
+        return await aw
+    except (ValueError, AssertionError) as exc:
+        raise HTTPFail(400, f"malformed multipart body: {exc or type(exc).__name__}") from None
+
+
+async def _next_part(reader):
+    return await _guard_multipart(reader.next())
+
+
 async def post_files(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     try:
@@ -346,26 +366,26 @@ async def post_files(request: web.Request) -> web.StreamResponse:
             reader = await request.multipart()
             seen: set[str] = set()
             while True:
-                part = await reader.next()
+                part = await _next_part(reader)
                 if part is None:
                     break
                 if part.name != "file":
-                    await part.release()
+                    await _guard_multipart(part.release())
                     continue
                 raw = query_path or _part_filename(part)
                 if not raw:
                     raise HTTPFail(400, "missing destination path (no 'path' query and no part filename)")
-                path = resolve_path(raw, user)
+                path = _resolve(raw, user)
                 if path in seen:
                     raise HTTPFail(400, f"path '{path}' is given more than once")
                 seen.add(path)
-                results.append(await _receive(state, user, path, _part_chunks(part), budget, meta))
+                results.append(await _guard_multipart(_receive(state, user, path, _part_chunks(part), budget, meta)))
             if not results:
                 raise HTTPFail(400, "no file part in the request")
         else:
             if not query_path:
                 raise HTTPFail(400, "path is required for a non-multipart upload")
-            path = resolve_path(query_path, user)
+            path = _resolve(query_path, user)
             results.append(await _receive(state, user, path, request.content.iter_chunked(CHUNK), budget, meta))
     except HTTPFail as fail:
         return fail.response()

@@ -75,7 +75,10 @@ def resolve_path(path: str, user: User) -> str:
     """Absolute, normalised path: `~` expands to the user's home, relative paths are relative to it.
 
     Symlinks are deliberately not resolved (entries report the path the caller asked for).
+    Raises ValueError for a path no system call can take (a NUL byte).
     """
+    if "\x00" in path:
+        raise ValueError("path must not contain NUL bytes")
     if path == "~" or path.startswith("~/"):
         path = user.home + path[1:]
     if not os.path.isabs(path):
