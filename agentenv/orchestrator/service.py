@@ -963,7 +963,7 @@ class Orchestrator:
         try:
             await self.runtime.checkpoint(sid, tmp_image)
             t_ckpt = time.monotonic() - t0
-            await self.rootfs.unmount(sid)
+            await self.rootfs.unmount(sid, keep_disk=True)  # the upper is sealed from the disk image
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
             if layer:
                 rec.layers = [layer] + rec.layers

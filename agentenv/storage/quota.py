@@ -46,12 +46,17 @@ class DiskQuota:
     def mount_point(sandbox_dir: Path) -> Path:
         return sandbox_dir / MOUNT
 
+    @staticmethod
+    def has_image(sandbox_dir: Path) -> bool:
+        return (sandbox_dir / IMAGE).exists()
+
     async def ensure(self, sandbox_dir: Path, size_mb: int) -> Path | None:
-        """Mount the sandbox's disk image (created at `size_mb` MiB the first time); returns the
-        directory to hold upper/ and work/, or None when quotas are off."""
-        if not self.enabled or size_mb <= 0:
-            return None
+        """Mount the sandbox's disk image (created at `size_mb` MiB the first time, when quotas are
+        on); returns the directory to hold upper/ and work/, or None for a sandbox without one.
+        An existing image is mounted whatever the mode, so turning quotas off loses no data."""
         img, mnt = sandbox_dir / IMAGE, self.mount_point(sandbox_dir)
+        if not img.exists() and (not self.enabled or size_mb <= 0):
+            return None
         if mnt.is_mount():
             return mnt
         t0 = time.monotonic()

@@ -46,9 +46,9 @@ class RootfsManager:
         return self._dir(sandbox_id) / "rootfs"
 
     def upper_path(self, sandbox_id: str) -> Path:
+        """Where the writable layer is: inside the sandbox's disk image if it has one."""
         d = self._dir(sandbox_id)
-        disk = self.quota.mount_point(d)
-        return disk / "upper" if self.quota.enabled and (d / "disk.img").exists() else d / "upper"
+        return self.quota.mount_point(d) / "upper" if self.quota.has_image(d) else d / "upper"
 
     def is_mounted(self, sandbox_id: str) -> bool:
         target = os.path.realpath(self.rootfs_path(sandbox_id))
@@ -70,8 +70,8 @@ class RootfsManager:
                 raise BadRequest(f"lower layer path {low} contains a character overlayfs cannot take")
         d = self._dir(sandbox_id)
         base = d
-        if disk_mb and not self.is_mounted(sandbox_id) and not (d / "upper").exists():
-            base = await self.quota.ensure(d, disk_mb) or d
+        if not self.is_mounted(sandbox_id) and not (d / "upper").exists():
+            base = await self.quota.ensure(d, disk_mb or 0) or d
         return await asyncio.to_thread(self._prepare, d, [Path(p).resolve() for p in lowers], base)
 
     def _prepare(self, d: Path, lowers: list[Path], base: Path | None = None) -> Path:
@@ -104,11 +104,17 @@ class RootfsManager:
         _umount_rootfs_first(d)  # the overlay and anything a runtime mounted below the sandbox dir
         shutil.rmtree(d)
 
-    async def unmount(self, sandbox_id: str) -> None:
-        """Unmount the overlay but keep upper/ and the rest of the sandbox dir (pause, sealing)."""
+    async def unmount(self, sandbox_id: str, *, keep_disk: bool = False) -> None:
+        """Unmount the overlay but keep upper/ and the rest of the sandbox dir (pause, sealing).
+
+        `keep_disk` leaves the sandbox's disk image mounted, so its upper can be sealed (capture);
+        otherwise the image is unmounted too (a paused sandbox holds no loop device)."""
         d = self._dir(sandbox_id)
         if d.exists():
-            await asyncio.to_thread(_umount_rootfs_first, d)
+            if keep_disk:
+                await asyncio.to_thread(_umount_rootfs_only, d)
+            else:
+                await asyncio.to_thread(_umount_rootfs_first, d)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Unmount and delete sandbox dirs (and stray mounts below them) whose id is not in `keep`."""
@@ -153,6 +159,12 @@ class RootfsManager:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return dst
+
+
+def _umount_rootfs_only(d: Path) -> None:
+    rootfs = os.path.realpath(d / "rootfs")
+    for mp in mounts_under(Path(rootfs)):
+        umount(mp)
 
 
 def _umount_rootfs_first(d: Path) -> None:

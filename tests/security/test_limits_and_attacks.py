@@ -122,6 +122,47 @@ def test_disk_image_is_sparse_and_goes_with_the_sandbox(limits, make):
     assert not img.exists() and not img.parent.exists()
 
 
+def _fill(sbx: Sandbox, name: str, mb: int) -> int:
+    """Writes up to `mb` MiB of zeros; returns the bytes that made it to disk."""
+    r = sbx.commands.run(f"dd if=/dev/zero of=/home/user/{name} bs=1M count={mb} 2>/dev/null; "
+                         f"stat -c %s /home/user/{name}; rm -f /home/user/{name}", timeout=300)
+    return int(r.stdout.strip().splitlines()[-1])
+
+
+def test_disk_image_through_pause_resume_fork_and_snapshot(limits, make):
+    sbx = make()
+    sbx.commands.run("head -c 100000 /dev/urandom > /home/user/keep && md5sum /home/user/keep > /home/user/keep.md5")
+    img = _disk_image(limits, sbx)
+    sbx.pause()
+    assert img.exists() and not img.with_name("disk").is_mount()  # a paused sandbox holds no loop device
+    sbx = Sandbox.connect(sbx.sandbox_id, api_key=limits.api_key, api_url=limits.api_url,
+                          sandbox_url=limits.api_url)
+    assert sbx.commands.run("md5sum -c /home/user/keep.md5").exit_code == 0
+    assert _fill(sbx, "f", limits.disk_mb + 100) <= limits.disk_mb << 20
+    # fork (a capture: the upper is sealed into a layer out of the image): both sides keep the file
+    # and each has a disk of its own with the full quota again
+    r = requests.post(f"{limits.api_url}/sandboxes/{sbx.sandbox_id}/fork", json={"count": 1},
+                      headers={"X-API-KEY": limits.api_key}, timeout=300)
+    assert r.status_code == 201, r.text
+    child_id = r.json()[0]["sandbox"]["sandboxID"]
+    child = Sandbox.connect(child_id, api_key=limits.api_key, api_url=limits.api_url, sandbox_url=limits.api_url)
+    try:
+        for s in (sbx, child):
+            assert s.commands.run("md5sum -c /home/user/keep.md5").exit_code == 0
+            written = _fill(s, "g", limits.disk_mb + 100)
+            assert (limits.disk_mb - 64) << 20 <= written <= limits.disk_mb << 20
+        assert _disk_image(limits, child).exists()
+        snap = sbx.create_snapshot()
+        try:
+            restored = make(template=snap.snapshot_id)
+            assert restored.commands.run("md5sum -c /home/user/keep.md5").exit_code == 0
+            assert _disk_image(limits, restored).exists()
+        finally:
+            Sandbox.delete_snapshot(snap.snapshot_id, api_key=limits.api_key, api_url=limits.api_url)
+    finally:
+        child.kill()
+
+
 def test_bandwidth_cap(make, limits):
     sbx = make()
     mb = 10
@@ -149,6 +190,13 @@ def test_memory_hog(limits, make, bystander, baseline):
     hog = "python3 -c \"a=[]\nwhile True: a.append(bytearray(32<<20))\""
     _, log = _attack("memory_hog", limits, bystander, attacker, hog)
     RESULTS["memory_hog"]["attacker_after"] = log.strip()[-200:]
+    print(f"memory_hog: attacker afterwards: {log.strip()[-200:]!r}")
+    alive = True
+    try:
+        attacker.commands.run("true", timeout=20)
+    except Exception:  # noqa: BLE001
+        alive = False
+    print(f"memory_hog: attacker sandbox {'alive' if alive else 'gone (its Sentry was OOM-killed)'}")
     assert bystander.commands.run("echo alive").stdout == "alive\n"
 
 
