@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     # sandbox's upper its own sparse ext4 image, loop-mounted; "off" lets uppers share the data dir's
     # filesystem. See storage/quota.py and docs/security.md.
     disk_quota: str = Field(default="off", pattern=r"^(loop|off)$")
+    # Host memory limit above a sandbox's memory size. Inside the size, envd kills the largest
+    # process when the sandbox runs out (like a kernel OOM killer); the host limit, which kills the
+    # whole sandbox, is the backstop. 0 = no headroom and no in-sandbox OOM killer.
+    memory_headroom_mb: int = Field(default=256, ge=0)
     # Open files per process inside a sandbox (RLIMIT_NOFILE, soft = hard).
     sandbox_nofile: int = Field(default=65536, ge=64, le=1048576)
     # Bandwidth cap per sandbox and direction in Mbit/s (tc tbf in the slot's netns); 0 = none.

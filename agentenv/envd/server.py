@@ -23,6 +23,7 @@ import time
 from aiohttp import web
 
 from agentenv.envd import filesystem, files, netstat, process
+from agentenv.envd.oom import OomGuard
 from agentenv.envd.reaper import OrphanReaper
 from agentenv.envd.sudo import SudoServer, server_socket_path
 from agentenv.envd.state import STATE_KEY, UNAUTHORIZED_MESSAGE, EnvdState, get_state
@@ -198,9 +199,12 @@ def create_app(state: EnvdState | None = None) -> web.Application:
     sudo = SudoServer(sudo_path) if sudo_path else None
     app[SUDO_KEY] = sudo
     reaper = OrphanReaper(_ReaperView(manager, sudo))
+    oom = OomGuard.from_environ()
 
     async def on_startup(app: web.Application) -> None:
         reaper.start()
+        if oom is not None:
+            oom.start()
         if sudo is not None:
             try:
                 sudo.start()
@@ -210,6 +214,8 @@ def create_app(state: EnvdState | None = None) -> web.Application:
 
     async def on_cleanup(app: web.Application) -> None:
         reaper.stop()
+        if oom is not None:
+            oom.stop()
         if sudo is not None:
             await sudo.stop()
         await manager.shutdown()

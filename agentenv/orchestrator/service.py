@@ -374,7 +374,7 @@ class Orchestrator:
     def _warm_key(self, tmpl: TemplateRecord, tools: Path) -> str:
         """What a warm image depends on: a change to any of these makes it stale."""
         parts = [tools.name, tmpl.template_id, tmpl.image, str(tmpl.cpu_count), str(tmpl.memory_mb),
-                 str(self.settings.max_upload_bytes), self.runtime.name,
+                 str(self.settings.max_upload_bytes), str(self.settings.memory_headroom_mb), self.runtime.name,
                  hashlib.sha256(self._host_token.encode()).hexdigest()[:16]]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
@@ -499,12 +499,14 @@ class Orchestrator:
         env = dict(self.images.envd_env())
         env["AGENTENV_ENVD_HOST_TOKEN"] = self._host_token
         env["AGENTENV_ENVD_MAX_UPLOAD"] = str(self.settings.max_upload_bytes)
+        if self.settings.memory_headroom_mb > 0:
+            env["AGENTENV_ENVD_MEMORY_LIMIT_MB"] = str(rec.memory_mb)  # envd's OOM guard (envd/oom.py)
         return SandboxSpec(
             sandbox_id=rec.sandbox_id, rootfs=rootfs, tools_dir=tools, slot=slot,
             bundle_dir=self.paths.sandbox_dir(rec.sandbox_id) / "bundle",
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
             args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self._lowers(rec),
-            nofile=self.settings.sandbox_nofile)
+            nofile=self.settings.sandbox_nofile, memory_headroom_mb=self.settings.memory_headroom_mb)
 
     async def _attach_vm_boot(self, spec: SandboxSpec) -> None:
         """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""

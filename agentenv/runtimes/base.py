@@ -59,6 +59,7 @@ class SandboxSpec:
     # read-only root drive from it once and key the drive by it.
     lowers: list[Path] = field(default_factory=list)
     nofile: int = 65536                                 # RLIMIT_NOFILE of the sandbox's processes
+    memory_headroom_mb: int = 0                         # host limit above memory_mb (envd's OOM guard acts first)
 
 
 class Runtime(Protocol):

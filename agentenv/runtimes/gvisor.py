@@ -110,6 +110,29 @@ def build_oci_spec(spec: SandboxSpec) -> dict[str, Any]:
     return oci
 
 
+def raise_memory_limit(spec: SandboxSpec) -> None:
+    """Give the sandbox's host cgroup `memory_headroom_mb` above its size, after runsc applied the spec.
+
+    The spec's limit is what the sandbox sees as MemTotal and what envd's OOM guard enforces by
+    killing the largest process; the host limit (which kills the whole Sentry) is the backstop.
+    cgroup v1 needs memsw >= limit, so memsw goes up first.
+    """
+    if spec.memory_headroom_mb <= 0:
+        return
+    limit = str((spec.memory_mb + spec.memory_headroom_mb) << 20)
+    cg = cgroup_path(spec.sandbox_id).lstrip("/")
+    v1 = CGROUP_FS / "memory" / cg
+    if v1.is_dir():
+        files = ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes")
+        base = v1
+    else:
+        files, base = ("memory.max",), CGROUP_FS / cg
+    for name in files:
+        f = base / name
+        if f.exists():
+            f.write_text(limit)
+
+
 class GVisorRuntime:
     """Runtime protocol implementation on top of the runsc CLI."""
 
@@ -192,6 +215,7 @@ class GVisorRuntime:
             await self._runsc("run", "--detach", f"--bundle={spec.bundle_dir}", spec.sandbox_id,
                               timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
                               output_file=spec.bundle_dir / CONSOLE_LOG)
+            await asyncio.to_thread(raise_memory_limit, spec)
         except BaseException:
             await asyncio.shield(self.stop(spec.sandbox_id))
             raise
@@ -203,6 +227,7 @@ class GVisorRuntime:
             await self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={spec.bundle_dir}",
                               spec.sandbox_id, timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
                               output_file=spec.bundle_dir / CONSOLE_LOG)
+            await asyncio.to_thread(raise_memory_limit, spec)
         except BaseException:
             await asyncio.shield(self.stop(spec.sandbox_id))
             raise

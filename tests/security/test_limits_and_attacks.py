@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from e2b import Sandbox
+from e2b import CommandExitException, Sandbox
 
 from sec_util import Latency, LimitsServer, start_limits_server, stop_limits_server
 
@@ -186,17 +186,19 @@ def test_fork_bomb(limits, make, bystander, baseline):
 
 
 def test_memory_hog(limits, make, bystander, baseline):
+    """The hog's process dies (envd's OOM guard kills the largest process), its sandbox lives on."""
     attacker = make()
     hog = "python3 -c \"a=[]\nwhile True: a.append(bytearray(32<<20))\""
     _, log = _attack("memory_hog", limits, bystander, attacker, hog)
-    RESULTS["memory_hog"]["attacker_after"] = log.strip()[-200:]
     print(f"memory_hog: attacker afterwards: {log.strip()[-200:]!r}")
-    alive = True
-    try:
-        attacker.commands.run("true", timeout=20)
-    except Exception:  # noqa: BLE001
-        alive = False
-    print(f"memory_hog: attacker sandbox {'alive' if alive else 'gone (its Sentry was OOM-killed)'}")
+    assert attacker.commands.run("echo survived", timeout=30).stdout == "survived\n"
+    assert attacker.commands.run("pgrep -f 'bytearra[y]' >/dev/null && echo hog || echo none").stdout == "none\n"
+    # and a foreground hog gets the exit status of a killed process
+    with pytest.raises(CommandExitException) as e:
+        attacker.commands.run(hog, timeout=120)
+    RESULTS["memory_hog"]["foreground_exit"] = e.value.exit_code
+    print(f"memory_hog: foreground hog ended with exit code {e.value.exit_code}: {e.value.error!r}")
+    assert attacker.commands.run("echo still").stdout == "still\n"
     assert bystander.commands.run("echo alive").stdout == "alive\n"
 
 
