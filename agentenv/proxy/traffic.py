@@ -65,7 +65,11 @@ _HOP_BY_HOP = frozenset(
 )
 # Never forwarded upstream: the API key is not a data-plane credential, the traffic token is ours
 # (checked here, of no use to the sandbox), and Expect was already answered by our own listener.
-_STRIP_REQUEST = frozenset({"x-api-key", "expect", TRAFFIC_TOKEN_HEADER.lower()})
+# The host token is the orchestrator's credential for envd (re-init, connection checks); it goes
+# straight from the orchestrator to envd, never through here. Code inside any sandbox can read it
+# (it is in envd's environment), so a client presenting it must not reach another sandbox's envd.
+HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"
+_STRIP_REQUEST = frozenset({"x-api-key", "expect", TRAFFIC_TOKEN_HEADER.lower(), HOST_TOKEN_HEADER.lower()})
 # Headers aiohttp's client would otherwise invent; we forward exactly what the client sent.
 _NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _WS_HANDSHAKE = frozenset(

@@ -151,3 +151,22 @@ def test_concurrent_sandbox_quota_is_a_typed_error(server, sandboxes):
     second.kill()
     resumed = Sandbox.connect(first.sandbox_id, api_key=key)
     assert resumed.commands.run("echo back").stdout == "back\n"
+
+
+def test_host_token_does_not_pass_the_proxy(server, sandboxes, victim):
+    """envd's host token is readable by code in any sandbox (envd's environment), so it must not work
+    through the public proxy: otherwise one tenant could re-init another's envd with a token of its
+    choosing and take it over."""
+    thief = sandboxes.create(api_key=new_team_key(server, "sec-team-thief"))
+    host_token = thief.commands.run("tr '\\0' '\\n' < /proc/1/environ | sed -n 's/^AGENTENV_ENVD_HOST_TOKEN=//p'",
+                                    user="root").stdout.strip()
+    assert host_token, "the test expects the token to be readable inside a sandbox"
+    base = {"E2b-Sandbox-Id": victim.sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT),
+            "X-Agentenv-Host-Token": host_token}
+    r = requests.post(f"{server.sandbox_url}/init", json={"accessToken": "stolen-" + secrets.token_hex(8)},
+                      headers=base, timeout=30)
+    assert r.status_code == 401, r.text
+    r = requests.get(f"{server.sandbox_url}/agentenv/connections", headers=base, timeout=30)
+    assert r.status_code == 401, r.text
+    # the owner's token still works, so nothing was re-initialised
+    assert victim.files.read("/home/user/secret.txt") == "team-a-secret"
