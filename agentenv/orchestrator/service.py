@@ -134,6 +134,7 @@ class Orchestrator:
         await self._reconcile()
         await self.gc_artifacts()
         self._reaper = asyncio.create_task(self._reap_loop(), name="ttl-reaper")
+        await self.templates.fail_interrupted()
         self.templates.start_builtins()
         if self.settings.warm_start:
             tools = await self.images.ensure_tools()

@@ -166,6 +166,18 @@ class TemplateService:
 
         return hmac.new(self.orch._host_token.encode(), text.encode(), hashlib.sha256).hexdigest()
 
+    async def fail_interrupted(self) -> None:
+        """Builds a previous server process left running can never finish: end them with a reason."""
+        for b in await self.store.list_builds():
+            if (b.status == BuildStatus.BUILDING and b.build_id not in self._tasks
+                    and b.spec.get("node") == self.settings.node_id):  # other nodes' builds are theirs
+                b.status = BuildStatus.ERROR
+                b.reason = {"message": "the server restarted during the build; start a new build"}
+                b.finished_at = b.updated_at = utcnow()
+                b.logs.append({"timestamp": rfc3339(utcnow()), "level": "error", "message": b.reason["message"]})
+                await self.store.put_build(b)
+                log.warning("build %s of template %s was interrupted by a restart", b.build_id, b.template_id)
+
     def start_builtins(self) -> None:
         """Build the ready-made templates named in `builtin_templates` (background; skipped when current)."""
         names = [n.strip() for n in (self.settings.builtin_templates or "").split(",") if n.strip()]
@@ -212,7 +224,8 @@ class TemplateService:
             await self.store.put_template(tmpl)
         build = TemplateBuildRecord(build_id=new_build_id(), template_id=tmpl.template_id, team_id="",
                                     status=BuildStatus.BUILDING, cpu_count=tmpl.cpu_count, memory_mb=tmpl.memory_mb,
-                                    disk_mb=tmpl.disk_mb, spec={**spec, "tags": [DEFAULT_TAG]})
+                                    disk_mb=tmpl.disk_mb, spec={**spec, "tags": [DEFAULT_TAG],
+                                                                "node": self.settings.node_id})
         await self.store.put_build(build)
         log.info("building the code-interpreter template (build %s)", build.build_id)
         await self._run_build(build)
@@ -355,7 +368,7 @@ class TemplateService:
         if build.status != BuildStatus.WAITING:
             raise Conflict(f"build {build_id} was already started ({build.status.value})")
         tags = build.spec.get("tags", [DEFAULT_TAG])
-        build.spec = {**spec, "tags": tags}
+        build.spec = {**spec, "tags": tags, "node": self.settings.node_id}
         build.status = BuildStatus.BUILDING
         build.updated_at = utcnow()
         await self.store.put_build(build)
