@@ -310,6 +310,32 @@ class ClusterOrchestrator:
         return route.host_ip or "127.0.0.1", route.node_port
 
 
+def _node_hop_proxy_class():
+    """The traffic proxy for the gateway -> node hop.
+
+    The node's proxy closes its connections into a sandbox with a reset (no TIME_WAIT inside the
+    sandbox); between the gateway and a node that reason does not exist, and a reset closing a
+    pooled connection races with the node still reading it. Plain closes here.
+    """
+    import aiohttp
+
+    from agentenv.proxy.traffic import _NO_AUTO_HEADERS, TrafficProxy
+
+    class NodeHopProxy(TrafficProxy):
+        def _session(self, sandbox_id: str) -> aiohttp.ClientSession:
+            session = self._sessions.get(sandbox_id)
+            if session is None or session.closed:
+                session = aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout),
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+                    auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                    skip_auto_headers=_NO_AUTO_HEADERS, trust_env=False, requote_redirect_url=False)
+                self._sessions[sandbox_id] = session
+            return session
+
+    return NodeHopProxy
+
+
 async def run_gateway(settings: Settings) -> None:
     from aiohttp import web
 
@@ -330,7 +356,7 @@ async def run_gateway(settings: Settings) -> None:
     await store.open()
     client = Client(settings.cluster_token)
     orch = ClusterOrchestrator(settings, store, client)
-    proxy = TrafficProxy(orch, domain=settings.sandbox_domain(), port_override=orch.port_override)
+    proxy = _node_hop_proxy_class()(orch, domain=settings.sandbox_domain(), port_override=orch.port_override)
     orch.on_moved.append(proxy.close_sandbox_connections)
     auth = ApiKeyAuth(store)
     api_key = None

@@ -36,7 +36,8 @@ import requests
 from leftovers import mounts_under, processes_mentioning, runsc_containers
 from pgserver import pg_bindir, start_postgres
 from s3server import start_s3
-from serverproc import agentenv_executable, free_port, log_tail, new_api_key, new_data_dir, remove_data_dir
+from serverproc import (agentenv_executable, free_port, log_tail, new_api_key, new_data_dir, remove_data_dir,
+                        shared_data_dir)
 
 LAN = os.environ.get("AGENTENV_TEST_CLUSTER_LAN", "10.246.250")
 TAG = os.environ.get("AGENTENV_TEST_CLUSTER_TAG", "cl")
@@ -238,6 +239,13 @@ def cluster() -> Cluster:
     try:
         stack.callback(_netns_teardown, specs)
         _netns_setup(specs)
+        # The nodes hard-link the shared test images: make sure they are built and current first (a
+        # changed envd means a new tools layer), or every node would rebuild its own at once.
+        r = subprocess.run([agentenv_executable(), "image", "build", "--data-dir", str(shared_data_dir())],
+                           capture_output=True, text=True, timeout=1800, stdin=subprocess.DEVNULL)
+        if r.returncode != 0:
+            pytest.fail(f"`agentenv image build` of the shared test images failed:\n{r.stdout[-2000:]}\n"
+                        f"{r.stderr[-2000:]}")
         work = new_data_dir("cluster")
         stack.callback(remove_data_dir, work)
         pg = start_postgres(listen=("127.0.0.1", f"{LAN}.1"))
