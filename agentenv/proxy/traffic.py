@@ -244,7 +244,8 @@ class TrafficProxy:
         path, user, exp = q.get("path", ""), q.get("username", ""), q.get("signature_expiration")
         for route in self._resolver.running_routes():
             token = route.envd_access_token
-            if token and hmac.compare_digest(file_signature(path, operation, user, token, exp), signature):
+            if token and hmac.compare_digest(file_signature(path, operation, user, token, exp).encode(),
+                                             signature.encode()):
                 return route.sandbox_id
         return None
 
