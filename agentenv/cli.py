@@ -108,6 +108,18 @@ def main(log_level: str) -> None:
 # ---------------------------------------------------------------- serve
 
 
+def _run_role(coro) -> None:
+    """Run a server role to completion: Ctrl-C is a normal stop, a StartupError a clean message."""
+    from agentenv.server import StartupError
+
+    try:
+        asyncio.run(coro)
+    except KeyboardInterrupt:
+        pass
+    except StartupError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command()
 @click.option("--host", default=None, help="listen address (AGENTENV_HOST, default 127.0.0.1)")
 @click.option("--port", type=int, default=None, help="listen port (AGENTENV_PORT, default 3000)")
@@ -118,15 +130,8 @@ def serve(host: str | None, port: int | None, data_dir: str | None) -> None:
 
     settings = _settings(data_dir, host=host, port=port)
     _require_root()
-    from agentenv.server import StartupError
-
     with server_lock(settings), _progress() as cb:
-        try:
-            asyncio.run(run(settings, progress=cb))
-        except KeyboardInterrupt:
-            pass
-        except StartupError as e:
-            raise click.ClickException(str(e)) from None
+        _run_role(run(settings, progress=cb))
 
 
 @main.command()
@@ -136,17 +141,11 @@ def serve(host: str | None, port: int | None, data_dir: str | None) -> None:
 def node(host: str | None, port: int | None, data_dir: str | None) -> None:
     """Run a cluster node: sandboxes of this host (needs AGENTENV_DATABASE_URL, _CLUSTER_TOKEN, _NODE_URL)."""
     from agentenv.cluster.node import run_node
-    from agentenv.server import StartupError
 
     settings = _settings(data_dir, host=host, port=port)
     _require_root()
     with server_lock(settings), _progress() as cb:
-        try:
-            asyncio.run(run_node(settings, progress=cb))
-        except KeyboardInterrupt:
-            pass
-        except StartupError as e:
-            raise click.ClickException(str(e)) from None
+        _run_role(run_node(settings, progress=cb))
 
 
 @main.command()
@@ -155,14 +154,8 @@ def node(host: str | None, port: int | None, data_dir: str | None) -> None:
 def gateway(host: str | None, port: int | None) -> None:
     """Run the cluster gateway: public API + sandbox traffic, routed to the nodes (no root needed)."""
     from agentenv.cluster.gateway import run_gateway
-    from agentenv.server import StartupError
 
-    try:
-        asyncio.run(run_gateway(_settings(None, host=host, port=port)))
-    except KeyboardInterrupt:
-        pass
-    except StartupError as e:
-        raise click.ClickException(str(e)) from None
+    _run_role(run_gateway(_settings(None, host=host, port=port)))
 
 
 @main.command()
@@ -171,14 +164,8 @@ def gateway(host: str | None, port: int | None) -> None:
 def scheduler(host: str | None, port: int | None) -> None:
     """Run the cluster scheduler: placement and node liveness (no root needed)."""
     from agentenv.cluster.scheduler import run_scheduler
-    from agentenv.server import StartupError
 
-    try:
-        asyncio.run(run_scheduler(_settings(None, host=host, port=port)))
-    except KeyboardInterrupt:
-        pass
-    except StartupError as e:
-        raise click.ClickException(str(e)) from None
+    _run_role(run_scheduler(_settings(None, host=host, port=port)))
 
 
 @main.command()

@@ -143,6 +143,26 @@ async def _bootstrap_key(c: Components, settings: Settings) -> str | None:
     return key_file.read_text().strip() if key_file.exists() else None
 
 
+async def wait_for_stop_signal() -> None:
+    """Return when SIGINT or SIGTERM reaches this process (every server role stops this way).
+
+    Not loop.add_signal_handler: it routes signals through a wakeup fd that forked helpers
+    (pyroute2's netns workers) inherit, so a SIGTERM sent to such a child would stop the server.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    server_pid = os.getpid()
+
+    def on_signal(signum, _frame) -> None:
+        if os.getpid() == server_pid:
+            log.info("received %s", signal.Signals(signum).name)
+            loop.call_soon_threadsafe(stop.set)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    await stop.wait()
+
+
 async def serve(settings: Settings, *, progress=None) -> None:
     from agentenv.proxy import LISTENER_OPTIONS
     from agentenv.runtimes._reaper import become_subreaper, reap_forever
@@ -177,20 +197,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
                                "(set AGENTENV_PORT / --port to another port)") from e
         _print_banner(settings, api_key)
 
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        server_pid = os.getpid()
-
-        # Not loop.add_signal_handler: it routes signals through a wakeup fd that forked helpers
-        # (pyroute2's netns workers) inherit, so a SIGTERM sent to such a child would stop the server.
-        def on_signal(signum, _frame) -> None:
-            if os.getpid() == server_pid:
-                log.info("received %s", signal.Signals(signum).name)
-                loop.call_soon_threadsafe(stop.set)
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, on_signal)
-        await stop.wait()
+        await wait_for_stop_signal()
     finally:
         # Runs on every exit, including a failed start: an unclosed store would keep its worker
         # thread alive and the process would never exit.
