@@ -134,7 +134,7 @@ class ObservabilityHandlers:
         q = request.query
         since = _int(q, "since", 0, lo=0) or 0
         limit = _int(q, "limit", 500, lo=1, hi=5000) or 500
-        wait = float(_int(q, "wait", 0, lo=0, hi=300) or 0)
+        wait = float(_int(q, "wait", 0, lo=0, hi=55) or 0)
         sandbox_id = q.get("sandboxID") or None
         tail = _int(q, "tail", lo=1, hi=5000)
         team = self.team_of(request)

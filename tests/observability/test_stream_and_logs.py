@@ -16,7 +16,7 @@ def test_long_poll_returns_when_an_event_arrives(server, api):
 
     def poll():
         t0 = time.monotonic()
-        got["page"] = api.json(f"/events?since={since}&wait=60")
+        got["page"] = api.json(f"/events?since={since}&wait=50")
         got["took"] = time.monotonic() - t0
 
     t = threading.Thread(target=poll)

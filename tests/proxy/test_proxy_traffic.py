@@ -706,6 +706,8 @@ async def test_idle_upstream_connections_are_closed_by_the_proxy(env: Env) -> No
     resolver.routes["idle"] = SandboxRoute("idle", "127.0.0.1", "running", "t", None)
     proxy = TrafficProxy(resolver, port_override=lambda route, port: ("127.0.0.1", up.port), idle_timeout=0.2)
     runner, url = await serve_proxy(proxy)
+    # /proc/net/tcp is netns-wide: sockets of earlier tests may carry the same port number.
+    stale = {s for s in tcp_sockets(up.port) if s[0] != "LISTEN"}
     try:
         async with aiohttp.ClientSession() as session:
             async with session.get(f"{url}/whoami", headers=sbx("idle")) as r:
@@ -717,8 +719,8 @@ async def test_idle_upstream_connections_are_closed_by_the_proxy(env: Env) -> No
                 assert r.status == 200
             assert [s for s in tcp_sockets(up.port) if s[0] == "ESTABLISHED"]
             deadline = time.monotonic() + 3
-            while [s for s in tcp_sockets(up.port) if s[0] != "LISTEN" and s[0] != "TIME_WAIT"]:
-                assert time.monotonic() < deadline, tcp_sockets(up.port)
+            while [s for s in tcp_sockets(up.port) if s[0] not in ("LISTEN", "TIME_WAIT") and s not in stale]:
+                assert time.monotonic() < deadline, (tcp_sockets(up.port), stale)
                 await asyncio.sleep(0.05)
         assert not [s for s in tcp_sockets(up.port) if s[0] == "TIME_WAIT" and s[1] == up.port]
     finally:
