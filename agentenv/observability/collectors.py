@@ -61,10 +61,10 @@ class NodeCollector(Collector):
                                 "Admission limit: sandboxes that may hold CPU and memory at once (max_sandboxes).",
                                 value=self.settings.max_sandboxes)
         yield GaugeMetricFamily("agentenv_node_sandboxes_active",
-                                "Sandboxes counting against the capacity (everything but paused).",
-                                value=len(active))
+                                "Sandboxes counting against the capacity (everything but paused, incl. "
+                                "admitted starts).", value=self.orch.node_active())
         yield GaugeMetricFamily("agentenv_sandboxes_creating", "Sandbox starts in flight (creates, restores, "
-                                "fork children).", value=getattr(self.orch, "_creating", 0))
+                                "fork children).", value=self.orch.starting)
         yield GaugeMetricFamily("agentenv_node_allocated_cpus", "vCPUs promised to active sandboxes.",
                                 value=sum(r.cpu_count for r in active))
         yield GaugeMetricFamily("agentenv_node_allocated_memory_bytes", "Memory limits of active sandboxes.",

@@ -98,8 +98,9 @@ class Orchestrator:
         self._slots: dict[str, NetSlot] = {}
         self._host_token = self._load_host_token()
         self._reaper: asyncio.Task | None = None
-        self._creating = 0
-        self._reserved: dict[str, int] = {}  # team -> sandboxes being created/resumed/forked, counted by quota
+        # team -> sandboxes being created/resumed/forked (admitted, not yet settled): counted both by the
+        # team's quota and by the node's capacity from the moment they are admitted.
+        self._reserved: dict[str, int] = {}
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
         self._warm_building: dict[str, asyncio.Task] = {}
         self._waking: dict[str, asyncio.Task] = {}  # single-flight resumes triggered by traffic
@@ -269,9 +270,22 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ create
 
+    @property
+    def starting(self) -> int:
+        """Sandbox starts in flight (creates, resumes, fork children): admitted, not yet settled."""
+        return sum(self._reserved.values())
+
+    def node_active(self) -> int:
+        """Sandboxes that hold (or are about to hold) this node's resources: settled ones that are not
+        paused, dying ones still being torn down, and every admission in flight. A start counts once:
+        while it boots its record is CREATING/RESUMING and the admission stands for it."""
+        settled = sum(1 for r in self._records.values()
+                      if r.state not in (SandboxState.PAUSED, SandboxState.KILLED, SandboxState.FAILED,
+                                         SandboxState.CREATING, SandboxState.RESUMING))
+        return settled + self.starting
+
     def _admit(self, n: int = 1) -> None:
-        active = sum(1 for r in self._records.values() if r.state != SandboxState.PAUSED) + self._creating
-        if active + n > self.settings.max_sandboxes:
+        if self.node_active() + n > self.settings.max_sandboxes:
             raise Unavailable(f"node is at capacity ({self.settings.max_sandboxes} sandboxes); retry later",
                               error_code="capacity_exhausted")
 
@@ -518,28 +532,24 @@ class Orchestrator:
     async def _spawn(self, rec: SandboxRecord, *, restore_from: Path | None = None,
                      restore_token: str | None = None) -> None:
         """Bring a new sandbox record to RUNNING (boot, or restore from a memory image); all or nothing."""
-        self._creating += 1
-        try:
-            async with self.lifecycle.lock(rec.sandbox_id):
-                self._records[rec.sandbox_id] = rec
-                await self.store.put_sandbox(rec)
-                try:
-                    await self._bring_up(rec, restore_from=restore_from, restore_token=restore_token)
-                except BaseException as e:
-                    log.error("start of %s failed: %s", rec.sandbox_id, e)
-                    self._keep_logs(rec.sandbox_id, "failed")  # the runtime's console/VMM logs say why
-                    self._records.pop(rec.sandbox_id, None)
-                    await asyncio.shield(self._teardown(rec.sandbox_id))
-                    await asyncio.shield(self.store.delete_sandbox(rec.sandbox_id))
-                    if isinstance(e, AgentEnvError):
-                        raise
-                    if isinstance(e, Exception):
-                        raise RuntimeFailure(f"failed to start sandbox: {e}") from e
+        async with self.lifecycle.lock(rec.sandbox_id):
+            self._records[rec.sandbox_id] = rec
+            await self.store.put_sandbox(rec)
+            try:
+                await self._bring_up(rec, restore_from=restore_from, restore_token=restore_token)
+            except BaseException as e:
+                log.error("start of %s failed: %s", rec.sandbox_id, e)
+                self._keep_logs(rec.sandbox_id, "failed")  # the runtime's console/VMM logs say why
+                self._records.pop(rec.sandbox_id, None)
+                await asyncio.shield(self._teardown(rec.sandbox_id))
+                await asyncio.shield(self.store.delete_sandbox(rec.sandbox_id))
+                if isinstance(e, AgentEnvError):
                     raise
-                rec.state = SandboxState.RUNNING
-                await self.store.put_sandbox(rec)
-        finally:
-            self._creating -= 1
+                if isinstance(e, Exception):
+                    raise RuntimeFailure(f"failed to start sandbox: {e}") from e
+                raise
+            rec.state = SandboxState.RUNNING
+            await self.store.put_sandbox(rec)
 
     async def _spawn_restored(self, rec: SandboxRecord, memory_digest: str, *, restore_token: str | None) -> None:
         """_spawn from a memory image, which is pulled if missing and kept from GC meanwhile."""
@@ -881,12 +891,10 @@ class Orchestrator:
         log.info("released sandbox %s (now on another node)", sandbox_id)
 
     def usage(self) -> tuple[int, int, int]:
-        """(active sandboxes incl. ones being created, their vCPUs, their memory MB): node load."""
+        """(active sandboxes incl. admitted starts, their vCPUs, their memory MB): node load, counted
+        the way admission counts it (`node_active`)."""
         active = [r for r in self._records.values() if r.state != SandboxState.PAUSED]
-        # A start counts once: `_creating` covers it before its record exists and while it boots.
-        booting = sum(1 for r in active if r.state == SandboxState.CREATING)
-        return (len(active) + max(0, self._creating - booting), sum(r.cpu_count for r in active),
-                sum(r.memory_mb for r in active))
+        return self.node_active(), sum(r.cpu_count for r in active), sum(r.memory_mb for r in active)
 
     def paused_ids(self) -> set[str]:
         return {sid for sid, r in self._records.items() if r.state == SandboxState.PAUSED}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import sqlite3
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,9 @@ from agentenv.models import (ApiKeyRecord, SandboxRecord, SandboxState, Snapshot
                              TemplateBuildRecord, TemplateRecord, TemplateTag)
 
 # Append-only: migration N brings the schema from version N to N+1. Never edit a released entry.
+# Statements are applied one by one and skipped when their effect is already there (a column, table or
+# index of that name exists), so a database that got a change under another number (a development
+# build whose migrations were ordered differently) still converges instead of failing to open.
 MIGRATIONS: list[str] = [
     """
     CREATE TABLE sandboxes (
@@ -143,6 +148,34 @@ MIGRATIONS: list[str] = [
     """,
 ]
 
+_ADD_COLUMN = re.compile(r"ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.IGNORECASE)
+_CREATE = re.compile(r"CREATE\s+(?:UNIQUE\s+)?(TABLE|INDEX)\s+(\w+)", re.IGNORECASE)
+
+
+def _statements(script: str) -> list[str]:
+    """The SQL statements of a migration script, in order."""
+    out: list[str] = []
+    buf = ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        raise ValueError(f"incomplete SQL statement in a migration: {buf.strip()[:80]!r}")
+    return out
+
+
+async def _already_applied(db: aiosqlite.Connection, stmt: str) -> bool:
+    """True when a schema change's effect exists already (its column, table or index)."""
+    if m := _ADD_COLUMN.match(stmt):
+        return m[2] in {r[1] for r in await db.execute_fetchall(f"PRAGMA table_info({m[1]})")}
+    if m := _CREATE.match(stmt):
+        return bool(await db.execute_fetchall("SELECT 1 FROM sqlite_master WHERE type = ? AND name = ?",
+                                              (m[1].lower(), m[2])))
+    return False
+
+
 _SANDBOX_COLS = (
     "sandbox_id", "template_id", "team_id", "state", "started_at", "end_at", "cpu_count", "memory_mb",
     "disk_mb", "envd_access_token", "traffic_access_token", "alias", "metadata", "env_vars", "auto_pause",
@@ -222,24 +255,29 @@ class SQLiteStateStore:
     @staticmethod
     async def _migrate(db: aiosqlite.Connection) -> None:
         await db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
-        async with db.execute("SELECT version FROM schema_version") as cur:
-            row = await cur.fetchone()
-        if row is None:
-            await db.execute("INSERT INTO schema_version (version) VALUES (0)")
+        await db.commit()
+        # One writer at a time: two processes opening an old database (server + CLI) must not both
+        # apply the same step. The version is read under the write lock.
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            rows = await db.execute_fetchall("SELECT version FROM schema_version")
+            if not rows:
+                await db.execute("INSERT INTO schema_version (version) VALUES (0)")
+            version = int(rows[0][0]) if rows else 0
+            if version > len(MIGRATIONS):
+                raise RuntimeError(
+                    f"state database schema version {version} is newer than this agentenv supports "
+                    f"({len(MIGRATIONS)}); upgrade agentenv"
+                )
+            for target, script in enumerate(MIGRATIONS[version:], start=version + 1):
+                for stmt in _statements(script):
+                    if not await _already_applied(db, stmt):
+                        await db.execute(stmt)
+                await db.execute("UPDATE schema_version SET version = ?", (target,))
             await db.commit()
-            version = 0
-        else:
-            version = int(row[0])
-        if version > len(MIGRATIONS):
-            raise RuntimeError(
-                f"state database schema version {version} is newer than this agentenv supports "
-                f"({len(MIGRATIONS)}); upgrade agentenv"
-            )
-        for target, script in enumerate(MIGRATIONS[version:], start=version + 1):
-            # executescript commits first; wrap the step so schema and version move together.
-            await db.executescript(
-                f"BEGIN;\n{script}\nUPDATE schema_version SET version = {target};\nCOMMIT;"
-            )
+        except BaseException:
+            await db.rollback()
+            raise
 
     @property
     def _conn(self) -> aiosqlite.Connection:

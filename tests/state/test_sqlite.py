@@ -172,3 +172,63 @@ async def test_refuses_newer_schema(tmp_path):
 async def test_use_before_open_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match="not open"):
         await SQLiteStateStore(tmp_path / "x.db").get_sandbox("x")
+
+
+def _old_database(path, version: int, extra: str = "") -> None:
+    """A database as an older agentenv left it: migrations [0, version) applied, plus `extra` SQL."""
+    con = sqlite3.connect(path)
+    try:
+        con.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        con.execute("INSERT INTO schema_version (version) VALUES (?)", (version,))
+        for script in MIGRATIONS[:version]:
+            con.executescript(script)
+        if extra:
+            con.executescript(extra)
+        con.commit()
+    finally:
+        con.close()
+
+
+async def test_upgrade_keeps_rows_and_reaches_current_schema(tmp_path):
+    path = tmp_path / "state.db"
+    _old_database(path, 1, "INSERT INTO api_keys VALUES ('k1', 'aa', 'team-x', 'old key', '2026-01-01T00:00:00', 0);")
+    async with SQLiteStateStore(path) as s:
+        assert await s.schema_version() == len(MIGRATIONS)
+        assert (await s.find_api_key("aa")).team_id == "team-x"
+        # migration 2 -> 3 created the team of every existing key
+        assert (await s.get_team("team-x")) is not None
+        rec = sandbox(7, memory_digest="sha256:" + "0" * 64)
+        await s.put_sandbox(rec)
+        assert await s.get_sandbox(rec.sandbox_id) == rec
+
+
+async def test_upgrade_converges_when_a_change_is_already_there(tmp_path):
+    """A development build applied a later change under an earlier number (here: templates.team_id
+    at version 3): opening must not fail with 'duplicate column' but finish the remaining steps."""
+    path = tmp_path / "state.db"
+    _old_database(path, 3, "ALTER TABLE templates ADD COLUMN team_id TEXT;"
+                           "CREATE TABLE build_cache (key TEXT PRIMARY KEY, template_id TEXT NOT NULL, "
+                           "data TEXT NOT NULL, created_at TEXT NOT NULL);")
+    async with SQLiteStateStore(path) as s:
+        assert await s.schema_version() == len(MIGRATIONS)
+        await s.put_template(TemplateRecord("t1", ["a1"], 2, 512, 1024, "base", team_id="team-y"))
+        assert (await s.get_template("a1")).team_id == "team-y"
+    con = sqlite3.connect(path)
+    try:
+        cols = {r[1] for r in con.execute("PRAGMA table_info(sandboxes)")}
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        con.close()
+    assert {"memory_digest", "layers", "pause_mode"} <= cols
+    assert {"template_builds", "template_tags", "build_cache", "teams", "snapshots"} <= tables
+
+
+async def test_concurrent_opens_of_an_old_database_migrate_once(tmp_path):
+    path = tmp_path / "state.db"
+    _old_database(path, 1)
+    stores = [SQLiteStateStore(path) for _ in range(4)]
+    try:
+        await asyncio.gather(*(s.open() for s in stores))
+        assert {await s.schema_version() for s in stores} == {len(MIGRATIONS)}
+    finally:
+        await asyncio.gather(*(s.close() for s in stores))
