@@ -433,6 +433,118 @@ def _run_auth(data_dir: str | None, fn):
         raise click.ClickException(e.message) from None
 
 
+# ---------------------------------------------------------------- templates (runtime per template)
+
+
+@main.group()
+def templates() -> None:
+    """Templates in the state store: list them, make one of an image, choose the runtime of one."""
+
+
+def _run_store(data_dir: str | None, fn):
+    from agentenv.errors import AgentEnvError
+    from agentenv.state import store_for
+
+    async def go():
+        settings = _settings(data_dir)
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        store = store_for(settings)
+        await store.open()
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(go())
+    except AgentEnvError as e:
+        raise click.ClickException(e.message) from None
+
+
+def _runtime_choice(value: str) -> str | None:
+    from agentenv.runtimes import select
+
+    try:
+        name = select.normalise(value)
+    except select.RuntimeUnavailable as e:
+        raise click.BadParameter(e.message) from None
+    return None if name == "auto" else name
+
+
+@templates.command("list")
+@click.option("--json", "as_json", is_flag=True, help="One JSON array (for scripts).")
+@click.option("--data-dir", default=None)
+def templates_list(as_json: bool, data_dir: str | None) -> None:
+    recs = _run_store(data_dir, lambda st: st.list_templates())
+    if as_json:
+        click.echo(json.dumps([{"templateID": t.template_id, "aliases": t.aliases, "image": t.image,
+                                "runtime": t.runtime, "cpuCount": t.cpu_count, "memoryMB": t.memory_mb,
+                                "teamID": t.team_id} for t in recs]))
+        return
+    table = Table()
+    for c in ("template", "aliases", "image", "runtime", "cpu", "memory MiB", "team"):
+        table.add_column(c)
+    for t in recs:
+        table.add_row(t.template_id, ", ".join(t.aliases), t.image, t.runtime or "(node default)", str(t.cpu_count),
+                      str(t.memory_mb), t.team_id or "(built in)")
+    Console().print(table)
+
+
+@templates.command("create")
+@click.argument("name")
+@click.option("--image", default="base", show_default=True, help="Image in the image store (`agentenv image list`).")
+@click.option("--runtime", "runtime", default="auto", show_default=True,
+              help="auto (the node default) | gvisor | firecracker | qemu")
+@click.option("--cpu", "cpu_count", type=click.IntRange(1, 64), default=None)
+@click.option("--memory-mb", type=click.IntRange(128, 262144), default=None)
+@click.option("--data-dir", default=None)
+def templates_create(name: str, image: str, runtime: str, cpu_count: int | None, memory_mb: int | None,
+                     data_dir: str | None) -> None:
+    """A built-in template NAME (visible to every team) of IMAGE, whose sandboxes run under RUNTIME."""
+    from agentenv.models import TemplateRecord
+    from agentenv.orchestrator.templates import new_template_id
+
+    settings = _settings(data_dir)
+    rt = _runtime_choice(runtime)
+    if not (settings.paths.images / image).is_dir():
+        raise click.ClickException(f"no image {image!r} in {settings.paths.images} (see `agentenv image list`)")
+
+    async def go(st):
+        if await st.get_template(name) is not None:
+            raise click.ClickException(f"template {name!r} exists; change its runtime with `templates set-runtime`")
+        rec = TemplateRecord(template_id=new_template_id(), aliases=[name],
+                             cpu_count=cpu_count or settings.default_cpu_count,
+                             memory_mb=memory_mb or settings.default_memory_mb, disk_mb=settings.default_disk_mb,
+                             image=image, runtime=rt)
+        await st.put_template(rec)
+        return rec
+
+    rec = _run_store(data_dir, go)
+    click.echo(f"template {name} ({rec.template_id}): image {image}, runtime {rt or 'node default'}")
+
+
+@templates.command("set-runtime")
+@click.argument("template")
+@click.argument("runtime")
+@click.option("--data-dir", default=None)
+def templates_set_runtime(template: str, runtime: str, data_dir: str | None) -> None:
+    """Sandboxes of TEMPLATE (id or alias) run under RUNTIME (auto = the node default) from now on;
+    a running server sees it at its next create. A built template's own memory image keeps the
+    runtime that made it."""
+    rt = _runtime_choice(runtime)
+
+    async def go(st):
+        rec = await st.get_template(template)
+        if rec is None:
+            raise click.ClickException(f"template {template!r} not found")
+        rec.runtime = rt
+        await st.put_template(rec)
+        return rec
+
+    rec = _run_store(data_dir, go)
+    click.echo(f"template {rec.aliases[0] if rec.aliases else rec.template_id}: runtime {rt or 'node default'}")
+
+
 # ---------------------------------------------------------------- sandboxes (through the API)
 
 

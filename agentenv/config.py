@@ -40,6 +40,10 @@ class Settings(BaseSettings):
     # auto | gvisor | firecracker | qemu (agentenv/runtimes/select.py; docs/runtimes.md). `auto` takes
     # the strongest isolation this host proves it can run; an explicit VM runtime never degrades.
     runtime: str = Field(default="auto", pattern=r"^(auto|gvisor|firecracker|qemu)$")
+    # More runtimes this node serves besides `runtime` (the default), comma-separated, e.g. "qemu":
+    # a sandbox runs under one of them when its template or its create request (metadata
+    # `agentenv.runtime`) asks. Each must run on this host, or the server does not start.
+    extra_runtimes: str = Field(default="", pattern=r"^((gvisor|firecracker|qemu)(,(gvisor|firecracker|qemu))*)?$")
     # Firecracker binary (default: scripts/install-firecracker.sh's /usr/local/lib/agentenv/firecracker, then $PATH).
     firecracker_path: str | None = None
     runsc_path: str = "runsc"

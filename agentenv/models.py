@@ -99,6 +99,8 @@ class SnapshotRecord:
     # Egress rules of the source: {"allow_internet_access": bool, "network": dict | None}; a sandbox
     # created from the snapshot gets them unless its create request sets its own.
     network: dict | None = None
+    # The runtime that made the memory image (only it can restore it); None: a node's default.
+    runtime: str | None = None
 
     def to_manifest(self) -> dict:
         return {
@@ -107,7 +109,7 @@ class SnapshotRecord:
             "layers": self.layers, "memory": self.memory_digest, "cpuCount": self.cpu_count,
             "memoryMB": self.memory_mb, "diskSizeMB": self.disk_mb, "envVars": self.env_vars,
             "metadata": self.metadata, "sizeBytes": self.size_bytes, "restoreToken": self.restore_token,
-            "createdAt": rfc3339(self.created_at), "network": self.network,
+            "createdAt": rfc3339(self.created_at), "network": self.network, "runtime": self.runtime,
             "format": 1,
         }
 
@@ -120,7 +122,7 @@ class SnapshotRecord:
             cpu_count=int(m.get("cpuCount", 2)), memory_mb=int(m.get("memoryMB", 1024)),
             disk_mb=int(m.get("diskSizeMB", 4096)), env_vars=dict(m.get("envVars", {})),
             metadata=dict(m.get("metadata", {})), size_bytes=int(m.get("sizeBytes", 0)),
-            restore_token=m.get("restoreToken"), network=m.get("network"),
+            restore_token=m.get("restoreToken"), network=m.get("network"), runtime=m.get("runtime"),
             created_at=datetime.fromisoformat(m["createdAt"].replace("Z", "+00:00")) if m.get("createdAt")
             else utcnow())
 
@@ -137,6 +139,8 @@ class TemplateRecord:
     created_at: datetime = field(default_factory=utcnow)
     # None: built in (every team sees it); else the team that built it through the template API.
     team_id: str | None = None
+    # The runtime its sandboxes (and its builds) run under; None: the node's default.
+    runtime: str | None = None
 
 
 class BuildStatus(str, enum.Enum):
@@ -172,6 +176,7 @@ class TemplateBuildRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     logs: list[dict] = field(default_factory=list)  # {timestamp, level, message, step?}
     reason: dict | None = None  # {message, step?} when status is error
+    runtime: str | None = None  # the runtime the build ran under (its memory image needs it)
 
     def data(self) -> dict:
         return {
@@ -180,7 +185,7 @@ class TemplateBuildRecord:
             "finishedAt": rfc3339(self.finished_at) if self.finished_at else None,
             "spec": self.spec, "image": self.image, "layers": self.layers, "memory": self.memory_digest,
             "restoreToken": self.restore_token, "envVars": self.env_vars, "logs": self.logs,
-            "reason": self.reason,
+            "reason": self.reason, "runtime": self.runtime,
         }
 
     @classmethod
@@ -195,7 +200,8 @@ class TemplateBuildRecord:
                    updated_at=ts(d.get("updatedAt")) or created_at, finished_at=ts(d.get("finishedAt")),
                    spec=dict(d.get("spec") or {}), image=d.get("image", "base"), layers=list(d.get("layers", [])),
                    memory_digest=d.get("memory"), restore_token=d.get("restoreToken"),
-                   env_vars=dict(d.get("envVars") or {}), logs=list(d.get("logs") or []), reason=d.get("reason"))
+                   env_vars=dict(d.get("envVars") or {}), logs=list(d.get("logs") or []), reason=d.get("reason"),
+                   runtime=d.get("runtime"))
 
 
 @dataclass

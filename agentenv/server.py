@@ -30,8 +30,9 @@ if TYPE_CHECKING:  # imported lazily at run time: `agentenv doctor` and friends 
 log = logging.getLogger("agentenv.server")
 
 
-async def build_runtime(settings: Settings):
-    """The runtime for this server: `settings.runtime` resolved by agentenv.runtimes.select.
+async def build_runtimes(settings: Settings) -> dict:
+    """The runtimes this server serves, the default (`settings.runtime`) first, then
+    `settings.extra_runtimes`; resolved by agentenv.runtimes.select.
 
     `auto` picks the strongest isolation the host proves it can run; an explicit choice that cannot
     run is a startup error (never a silent fallback).
@@ -40,10 +41,15 @@ async def build_runtime(settings: Settings):
 
     try:
         sel = await select.choose(settings)
+        log.info("runtime: %s (asked: %s) - %s", sel.runtime, sel.requested, sel.reason)
+        names = [sel.runtime]
+        for extra in filter(None, settings.extra_runtimes.split(",")):
+            if extra not in names:
+                names.append((await select.choose(settings, extra)).runtime)
+                log.info("also serving runtime %s (AGENTENV_EXTRA_RUNTIMES)", extra)
     except select.RuntimeUnavailable as e:
         raise StartupError(e.message) from None
-    log.info("runtime: %s (asked: %s) - %s", sel.runtime, sel.requested, sel.reason)
-    return select.build(settings, sel.runtime)
+    return {name: select.build(settings, name) for name in names}
 
 
 @dataclass
@@ -70,7 +76,7 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     from agentenv.storage.snapshots import S3SnapshotStore, store_from_settings
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    runtime = await build_runtime(settings)   # first: a runtime that cannot run is a clean startup error
+    runtimes = await build_runtimes(settings)   # first: a runtime that cannot run is a clean startup error
     if store is None:
         store = store_for(settings)
     await store.open()
@@ -79,9 +85,10 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     snapshot_store = store_from_settings(settings)
     if isinstance(snapshot_store, S3SnapshotStore):
         await snapshot_store.ensure_bucket()
+    default_runtime, *extra_runtimes = runtimes.values()
     orch = Orchestrator(settings, store, images, RootfsManager(settings.paths, settings.disk_quota), NetworkManager(settings),
-                        runtime, ArtifactCache(settings.data_dir, snapshot_store),
-                        publish_paused=publish_paused)
+                        default_runtime, ArtifactCache(settings.data_dir, snapshot_store),
+                        extra_runtimes=extra_runtimes, publish_paused=publish_paused)
     proxy = TrafficProxy(orch, domain=settings.sandbox_domain())
     orch.on_before_stop.append(proxy.close_sandbox_connections)
     from agentenv.observability import Observability

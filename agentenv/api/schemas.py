@@ -267,6 +267,7 @@ def template_json(rec: TemplateRecord) -> dict[str, Any]:
         "buildCount": 1,
         "envdVersion": ENVD_VERSION,
         "buildStatus": "ready",
+        "runtime": rec.runtime,  # agentenv: the runtime its sandboxes run under (null: the node default)
     }
 
 

@@ -22,7 +22,7 @@ import time
 
 from aiohttp import web
 
-from agentenv.envd import filesystem, files, netstat, process
+from agentenv.envd import clock, filesystem, files, netstat, process
 from agentenv.envd.oom import OomGuard
 from agentenv.envd.reaper import OrphanReaper
 from agentenv.envd.sudo import SudoServer, server_socket_path
@@ -110,6 +110,9 @@ async def init(request: web.Request) -> web.Response:
         state.default_user = str(body["defaultUser"])
     if body.get("defaultWorkdir"):
         state.default_workdir = str(body["defaultWorkdir"])
+    host_time = clock.parse_timestamp(body.get("timestamp"))
+    if host_time is not None:  # a restored microVM's clock lags by the time its image was stored
+        clock.sync(host_time)
     state.initialized = True
     log.info("initialized (token=%s, %d env vars, user=%s)", bool(state.access_token), len(state.env_vars), state.default_user)
     return web.Response(status=204)

@@ -206,7 +206,7 @@ class ObservabilityHandlers:
             pass
         t = obs.sampler.totals
         node = {"nodeID": getattr(settings, "node_id", None) or "local", "status": "ready",
-                "runtime": orch.runtime.name, "sandboxes": states, "capacity": settings.max_sandboxes,
+                "runtime": orch.runtime.name, "runtimes": list(orch.runtimes), "sandboxes": states, "capacity": settings.max_sandboxes,
                 "active": len(active), "allocatedCPU": sum(r.cpu_count for r in active),
                 "allocatedMemoryMB": sum(r.memory_mb for r in active), "cpus": os.cpu_count() or 0,
                 "load": load, "memTotal": mem_total, "memAvailable": mem_avail,

@@ -11,6 +11,7 @@ import base64
 import json
 import struct
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
@@ -57,7 +58,8 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
         "envVars": env_vars,
         "defaultUser": default_user,
         "defaultWorkdir": default_workdir,
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        # the guest steps its clock to it (a restored microVM's clock lags by its time on disk)
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
     }
     headers = {"X-Agentenv-Host-Token": host_token}
     if current_token:

@@ -80,9 +80,12 @@ class Route:
 
 class Orchestrator:
     def __init__(self, settings: Settings, store: StateStore, images, rootfs, network, runtime: Runtime,
-                 artifacts: ArtifactCache, *, publish_paused: bool = False) -> None:
-        """`publish_paused` (cluster nodes): a pause seals the sandbox's state into layers + a memory
-        image and uploads them to the snapshot store, so that any node can resume it."""
+                 artifacts: ArtifactCache, *, extra_runtimes: Iterable[Runtime] = (),
+                 publish_paused: bool = False) -> None:
+        """`runtime` runs the sandboxes that ask for nothing else; `extra_runtimes` (by name) those whose
+        template or create request names them. `publish_paused` (cluster nodes): a pause seals the
+        sandbox's state into layers + a memory image and uploads them to the snapshot store, so that
+        any node can resume it."""
         self.settings = settings
         self.publish_paused = publish_paused
         self.paths = settings.paths
@@ -91,6 +94,10 @@ class Orchestrator:
         self.rootfs = rootfs
         self.network = network
         self.runtime = runtime
+        self.runtimes: dict[str, Runtime] = {runtime.name: runtime, **{r.name: r for r in extra_runtimes}}
+        # sandbox id -> the runtime running it (every sandbox brought up, incl. template-build and
+        # warm-image ones that have no record here); a sandbox keeps its runtime for life.
+        self._runtime_of: dict[str, str] = {}
         self.artifacts = artifacts
         self.lifecycle = Lifecycle()
         # Live view of sandboxes on this node; the store is the durable copy.
@@ -122,6 +129,40 @@ class Orchestrator:
             with os.fdopen(fd, "w") as f:
                 f.write(tok + "\n")
             return tok
+
+    # ------------------------------------------------------------------ runtimes
+
+    def runtime_named(self, name: str | None) -> Runtime:
+        """The runtime `name` (None: the default); a clear error when this node does not serve it."""
+        rt = self.runtimes.get(name or self.runtime.name)
+        if rt is None:
+            raise RuntimeFailure(f"this node does not serve the {name} runtime (it serves {', '.join(self.runtimes)}); "
+                                 "see AGENTENV_RUNTIME / AGENTENV_EXTRA_RUNTIMES")
+        return rt
+
+    def runtime_for(self, sandbox_id: str) -> Runtime:
+        """The runtime running (or that ran) `sandbox_id`: the one it was brought up with, else its record's."""
+        name = self._runtime_of.get(sandbox_id)
+        if name is None and (rec := self._records.get(sandbox_id)) is not None:
+            name = rec.runtime
+        return self.runtime_named(name)
+
+    async def _choose_runtime(self, requested: str | None, tmpl: TemplateRecord | None,
+                              build: TemplateBuildRecord | None, snap: SnapshotRecord | None) -> str:
+        """A new sandbox's runtime: the request's choice, else its template's, else the node default.
+        A memory image (snapshot, built template) restores only under the runtime that made it."""
+        fixed = what = None
+        if snap is not None and snap.memory_digest:
+            fixed, what = snap.runtime or self.runtime.name, f"snapshot {snap.snapshot_id}"
+        elif build is not None:
+            fixed, what = build.runtime or self.runtime.name, f"template {build.template_id}"
+        want = runtime_select.normalise(requested)
+        if want in (None, "auto"):  # a filesystem-only snapshot boots under its source's runtime by default
+            want = fixed or (snap.runtime if snap is not None else None) or (tmpl.runtime if tmpl is not None else None)
+        if fixed is not None and want != fixed:
+            raise BadRequest(f"{what} holds a memory image made by the {fixed} runtime: its sandboxes run under "
+                             f"{fixed}, not {want}")
+        return await runtime_select.resolve_request(self.settings, want, list(self.runtimes))
 
     # ------------------------------------------------------------------ startup / shutdown
 
@@ -161,9 +202,10 @@ class Orchestrator:
         egress = getattr(self.network, "egress", None)
         if egress is not None:
             await egress.close_all()  # running sandboxes kept: their listeners come back on the next start
-        close = getattr(self.runtime, "close", None)   # e.g. Firecracker: API clients, its VM store mount
-        if close is not None:
-            await close()
+        for rt in self.runtimes.values():
+            close = getattr(rt, "close", None)   # e.g. Firecracker: API clients, its VM store mount
+            if close is not None:
+                await close()
 
     async def _ensure_default_templates(self) -> None:
         if await self.store.get_template("base") is None:
@@ -181,9 +223,14 @@ class Orchestrator:
         await self.network.discover()
         for rec in await self.store.list_sandboxes():
             slot = self.network.slot_for(rec.sandbox_id)
-            alive = rec.state == SandboxState.RUNNING and slot is not None and await self.runtime.is_alive(rec.sandbox_id)
+            rt = self.runtimes.get(rec.runtime)
+            if rt is None and rec.state == SandboxState.RUNNING:
+                log.warning("sandbox %s runs under %s, which this node no longer serves", rec.sandbox_id, rec.runtime)
+            alive = rec.state == SandboxState.RUNNING and slot is not None and rt is not None \
+                and await rt.is_alive(rec.sandbox_id)
             if alive:
                 self._records[rec.sandbox_id] = rec
+                self._runtime_of[rec.sandbox_id] = rec.runtime
                 try:
                     # the egress proxy's listener died with the old process; the nft rules did not
                     slot = await self.network.apply_policy(slot, self._policy(rec))
@@ -214,12 +261,16 @@ class Orchestrator:
         known: set[str] = {r.sandbox_id for r in await self.store.list_sandboxes()}
         if self.paths.sandboxes.exists():
             known |= {p.name for p in self.paths.sandboxes.iterdir() if p.is_dir()}
-        running = set(await self.runtime.list_ids())
-        known |= running
+        recorded = {r.sandbox_id: r.runtime for r in await self.store.list_sandboxes()}
+        owner: dict[str, Runtime] = {}
+        for rt in self.runtimes.values():
+            owner.update({sid: rt for sid in await rt.list_ids()})
+        known |= set(owner)
         for sid in sorted(known - keep):
             # stop() is idempotent and also removes the sandbox's cgroups (a failed create leaves them).
-            await self.runtime.stop(sid)
-            if sid in running:
+            rt = owner.get(sid) or self.runtimes.get(recorded.get(sid) or "") or self.runtime
+            await rt.stop(sid)
+            if sid in owner:
                 removed["containers"].append(sid)
         await self.network.discover()
         for sid in sorted(known - keep):
@@ -328,12 +379,12 @@ class Orchestrator:
                              auto_resume: bool = False, allow_internet_access: bool | None = None,
                              network: dict | None = None) -> SandboxRecord:
         self._check_timeout(timeout)
-        await runtime_select.check_request(self.settings, metadata.get(runtime_select.METADATA_KEY), self.runtime.name)
         found = await self.templates.resolve_for_create(template, team_id)
         tmpl, build = found if found is not None else (None, None)
         snap = None if tmpl is not None else await self._find_snapshot(template, team_id)
         if tmpl is None and snap is None:
             raise NotFound(f"template '{template}' not found")
+        runtime = await self._choose_runtime(metadata.get(runtime_select.METADATA_KEY), tmpl, build, snap)
         if snap is not None and snap.network is not None:
             # a sandbox started from a snapshot keeps the snapshot's egress rules where the request sets none
             if allow_internet_access is None:
@@ -344,7 +395,7 @@ class Orchestrator:
                      network)  # 400 before anything starts
         async with self._admission(team_id):
             return await self._create(team_id=team_id, template=template, tmpl=tmpl, build=build, snap=snap,
-                                      timeout=timeout,
+                                      timeout=timeout, runtime=runtime,
                                       metadata=metadata, env_vars=env_vars, auto_pause=auto_pause,
                                       auto_resume=auto_resume, allow_internet_access=allow_internet_access,
                                       network=network)
@@ -352,7 +403,7 @@ class Orchestrator:
     async def _create(self, *, team_id: str, template: str, tmpl: TemplateRecord | None,
                       build: TemplateBuildRecord | None, snap: SnapshotRecord | None, timeout: int, metadata: dict[str, str],
                       env_vars: dict[str, str], auto_pause: bool, auto_resume: bool,
-                      allow_internet_access: bool | None, network: dict | None) -> SandboxRecord:
+                      allow_internet_access: bool | None, network: dict | None, runtime: str) -> SandboxRecord:
         now = utcnow()
         src = snap if snap is not None else build if build is not None else tmpl
         rec = SandboxRecord(
@@ -365,7 +416,7 @@ class Orchestrator:
             auto_pause=auto_pause, auto_resume=auto_resume,
             allow_internet_access=(self.settings.allow_internet_access if allow_internet_access is None
                                    else allow_internet_access),
-            network=network, runtime=self.runtime.name,
+            network=network, runtime=runtime,
             image=(snap.image if snap else build.image if build else tmpl.image),
             layers=list(snap.layers) if snap else list(build.layers) if build else [],
             snapshot_id=snap.snapshot_id if snap else None)
@@ -389,9 +440,13 @@ class Orchestrator:
     def _warm_key(self, tmpl: TemplateRecord, tools: Path) -> str:
         """What a warm image depends on: a change to any of these makes it stale."""
         parts = [tools.name, tmpl.template_id, tmpl.image, str(tmpl.cpu_count), str(tmpl.memory_mb),
-                 str(self.settings.max_upload_bytes), str(self.settings.memory_headroom_mb), self.runtime.name,
+                 str(self.settings.max_upload_bytes), str(self.settings.memory_headroom_mb), self._warm_runtime(tmpl),
                  hashlib.sha256(self._host_token.encode()).hexdigest()[:16]]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+    def _warm_runtime(self, tmpl: TemplateRecord) -> str:
+        """The runtime a template's warm image is made by (its own, when this node serves it)."""
+        return tmpl.runtime if tmpl.runtime in self.runtimes else self.runtime.name
 
     def _warm_meta_path(self, tmpl: TemplateRecord) -> Path:
         return self.paths.root / "warm" / f"{tmpl.template_id}.json"
@@ -428,7 +483,7 @@ class Orchestrator:
         ready, and whenever a restore fails, sandboxes boot cold.
         """
         meta = None
-        if self.settings.warm_start:
+        if self.settings.warm_start and rec.runtime == self._warm_runtime(tmpl):
             tools = await self.images.ensure_tools()
             key = self._warm_key(tmpl, tools)
             meta = self._warm_meta(tmpl, key)
@@ -462,8 +517,10 @@ class Orchestrator:
         rec = SandboxRecord(
             sandbox_id=_new_id("w"), template_id=tmpl.template_id, team_id="", state=SandboxState.CREATING,
             started_at=now, end_at=now, cpu_count=tmpl.cpu_count, memory_mb=tmpl.memory_mb,
-            disk_mb=tmpl.disk_mb, envd_access_token="", image=tmpl.image, runtime=self.runtime.name)
+            disk_mb=tmpl.disk_mb, envd_access_token="", image=tmpl.image, runtime=self._warm_runtime(tmpl))
         sid = rec.sandbox_id
+        rt = self.runtime_named(rec.runtime)
+        self._runtime_of[sid] = rec.runtime
         image = self.paths.sandbox_dir(sid) / "capture"
         try:
             rootfs, slot = await asyncio.gather(
@@ -472,12 +529,12 @@ class Orchestrator:
             spec = self._spec(rec, rootfs, slot, tools)
             spec.bundle_dir.mkdir(parents=True, exist_ok=True)
             await self._attach_vm_boot(spec)
-            await self.runtime.start(spec)
+            await rt.start(spec)
             await self.network.activate(slot)
-            await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(sid),
-                                           timeout=getattr(self.runtime, "envd_timeout", 60.0))
+            await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(sid),
+                                           timeout=getattr(rt, "envd_timeout", 60.0))
             await self._drain_connections(rec)
-            await self.runtime.checkpoint(sid, image)
+            await rt.checkpoint(sid, image)
             await self.rootfs.unmount(sid)
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
             mem = await self.artifacts.seal_memory(image)
@@ -525,8 +582,9 @@ class Orchestrator:
 
     async def _attach_vm_boot(self, spec: SandboxSpec) -> None:
         """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""
-        if runtime_select.is_vm(self.runtime.name) and runtime_select.VM_GUEST_IMAGES is not None \
-                and getattr(self.runtime, "wants_vm_boot", True):
+        rt = self.runtime_for(spec.sandbox_id)
+        if runtime_select.is_vm(rt.name) and runtime_select.VM_GUEST_IMAGES is not None \
+                and getattr(rt, "wants_vm_boot", True):
             spec.vm = await runtime_select.VM_GUEST_IMAGES(self.paths.images, spec)
 
     async def _spawn(self, rec: SandboxRecord, *, restore_from: Path | None = None,
@@ -573,16 +631,18 @@ class Orchestrator:
         else:
             rootfs = await self.rootfs.prepare(rec.sandbox_id, self._lowers(rec), disk_mb=rec.disk_mb)
         self._slots[rec.sandbox_id] = slot
+        rt = self.runtime_named(rec.runtime)
+        self._runtime_of[rec.sandbox_id] = rt.name
         spec = self._spec(rec, rootfs, slot, tools)
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)
         await self._attach_vm_boot(spec)
         if restore_from is None:
-            await self.runtime.start(spec)
+            await rt.start(spec)
         else:
-            await self.runtime.restore(spec, restore_from)
+            await rt.restore(spec, restore_from)
         await self.network.activate(slot)
-        await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: self.runtime.is_alive(rec.sandbox_id),
-                                       timeout=getattr(self.runtime, "envd_timeout", 60.0))
+        await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
+                                       timeout=getattr(rt, "envd_timeout", 60.0))
         await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self._sandbox_env(rec),
                                host_token=self._host_token, current_token=restore_token,
                                default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
@@ -623,9 +683,10 @@ class Orchestrator:
         """Release everything a sandbox holds; each step idempotent and independent of the others."""
         await self._quiesce(sandbox_id)
         try:
-            await self.runtime.stop(sandbox_id)
+            await self.runtime_for(sandbox_id).stop(sandbox_id)
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
+        self._runtime_of.pop(sandbox_id, None)
         await self._release_slot(sandbox_id)
         try:
             await self.rootfs.release(sandbox_id)
@@ -678,7 +739,7 @@ class Orchestrator:
         gets a short grace. Otherwise refuse with a 409 — the sandbox keeps running untouched.
         """
         slot = self._slots.get(rec.sandbox_id)
-        if slot is None or getattr(self.runtime, "keeps_tcp_across_checkpoint", False):
+        if slot is None or getattr(self.runtime_for(rec.sandbox_id), "keeps_tcp_across_checkpoint", False):
             return  # (a VM's checkpoint saves its TCP connections with the rest of the guest kernel)
         start = time.monotonic()
         deadline = start + (self.settings.capture_drain_s if budget is None else budget)
@@ -826,9 +887,9 @@ class Orchestrator:
                     raise
             try:
                 if memory:
-                    await self.runtime.checkpoint(sandbox_id, ckpt)
+                    await self.runtime_for(sandbox_id).checkpoint(sandbox_id, ckpt)
                 else:
-                    await self.runtime.stop(sandbox_id)
+                    await self.runtime_for(sandbox_id).stop(sandbox_id)
             except Exception as e:  # noqa: BLE001
                 raise await self._lose(rec, e) from e
             await self._release_slot(sandbox_id)
@@ -936,7 +997,7 @@ class Orchestrator:
             # The paused state on disk is intact: undo what the attempt set up and stay paused.
             log.error("resume of %s failed: %s", rec.sandbox_id, e)
             await self._quiesce(rec.sandbox_id)
-            await self.runtime.stop(rec.sandbox_id)
+            await self.runtime_for(rec.sandbox_id).stop(rec.sandbox_id)
             await self._release_slot(rec.sandbox_id)
             await self.rootfs.unmount(rec.sandbox_id)
             rec.state = SandboxState.PAUSED
@@ -972,7 +1033,7 @@ class Orchestrator:
         await self._quiesce(sid)
         await self._drain_connections(rec)  # Unavailable: nothing happened, the caller resets the state
         try:
-            await self.runtime.checkpoint(sid, tmp_image)
+            await self.runtime_for(sid).checkpoint(sid, tmp_image)
             t_ckpt = time.monotonic() - t0
             await self.rootfs.unmount(sid, keep_disk=True)  # the upper is sealed from the disk image
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
@@ -1097,7 +1158,8 @@ class Orchestrator:
                 layers=list(rec.layers), memory_digest=mem if memory else None, cpu_count=rec.cpu_count,
                 memory_mb=rec.memory_mb, disk_mb=rec.disk_mb, env_vars=dict(rec.env_vars),
                 metadata=dict(rec.metadata), size_bytes=size, restore_token=rec.envd_access_token,
-                network={"allow_internet_access": rec.allow_internet_access, "network": rec.network})
+                network={"allow_internet_access": rec.allow_internet_access, "network": rec.network},
+                runtime=rec.runtime)
             await self.artifacts.publish(snap)
             await self.store.put_snapshot(snap)
         finally:

@@ -36,6 +36,7 @@ from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden, NotF
 from agentenv.models import (BuildStatus, SandboxRecord, SandboxState, TemplateBuildRecord, TemplateRecord,
                              TemplateTag, rfc3339, utcnow)
 from agentenv.orchestrator import envd_client
+from agentenv.runtimes import select as runtime_select
 
 if TYPE_CHECKING:
     from agentenv.orchestrator.service import Orchestrator
@@ -508,6 +509,14 @@ class TemplateService:
 
     async def _execute(self, build: TemplateBuildRecord, blog: BuildLog) -> None:
         spec = build.spec
+        tmpl = await self.store.get_template(build.template_id)
+        want = tmpl.runtime if tmpl else None
+        if want is None and "gvisor" in self.orch.runtimes:
+            want = "gvisor"  # a node that also serves gVisor builds there (microVM builds are not supported)
+        build.runtime = await runtime_select.resolve_request(self.settings, want, list(self.orch.runtimes))
+        if runtime_select.is_vm(build.runtime):
+            raise BadRequest(f"template builds need the gvisor runtime, not {build.runtime}: a microVM keeps its file "
+                             "changes in its VM disk, which build steps cannot commit as layers yet")
         steps: list[dict] = list(spec.get("steps") or [])
         for i, st in enumerate(steps):
             if st.get("type") not in ("RUN", "ENV", "WORKDIR", "USER", "COPY", "ADD"):
@@ -540,7 +549,7 @@ class TemplateService:
         # same snapshot (unless forced). Its key includes the tools layer, whose envd the memory holds.
         tools = (await self.orch.images.ensure_tools()).name
         commit_key = "commit:" + _h(chain.key, spec.get("startCmd") or "", spec.get("readyCmd") or "",
-                                    str(build.cpu_count), str(build.memory_mb), tools, self.orch.runtime.name)
+                                    str(build.cpu_count), str(build.memory_mb), tools, build.runtime or "")
         forced = bool(spec.get("force")) or any(st.get("force") for st in steps)
         entry = None if forced else await self.store.get_cache_entry(commit_key)
         if entry is not None and self.orch.artifacts.memory_dir(entry["memory"]).is_dir() and all(
@@ -562,7 +571,7 @@ class TemplateService:
             sandbox_id=f"{prefix}{secrets.token_hex(10)}", template_id=build.template_id, team_id=build.team_id,
             state=SandboxState.CREATING, started_at=now, end_at=now, cpu_count=build.cpu_count,
             memory_mb=build.memory_mb, disk_mb=build.disk_mb, envd_access_token=secrets.token_urlsafe(24),
-            env_vars=dict(env), allow_internet_access=internet, runtime=self.orch.runtime.name,
+            env_vars=dict(env), allow_internet_access=internet, runtime=build.runtime or self.orch.runtime.name,
             image=chain.image, layers=list(chain.layers))
         try:
             await self.orch._bring_up(rec, restore_from=None, restore_token=None)
@@ -714,7 +723,7 @@ class TemplateService:
             if ready_cmd or start_cmd:
                 await self._wait_ready(rec, ready_cmd or "sleep 1", chain.state, blog)
             await self.orch._drain_connections(rec, budget=BUILD_DRAIN_S)
-            await self.orch.runtime.checkpoint(sid, image_dir)
+            await self.orch.runtime_for(sid).checkpoint(sid, image_dir)
             await self.orch.rootfs.unmount(sid)
             top = await self.orch.artifacts.seal_upper(self.orch.rootfs.upper_path(sid))
             mem = await self.orch.artifacts.seal_memory(image_dir)

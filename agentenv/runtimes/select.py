@@ -361,16 +361,20 @@ def is_vm(name: str) -> bool:
     return bool(e and e.vm)
 
 
-async def check_request(settings: Settings, requested: str | None, serving: str) -> None:
-    """A create request's runtime choice (metadata `agentenv.runtime`) against the node's runtime.
+async def resolve_request(settings: Settings, requested: str | None, served: list[str]) -> str:
+    """The runtime a sandbox gets: `requested` (its template's or its create request's choice,
+    metadata `agentenv.runtime`) among the runtimes this node serves (`served[0]` is the default).
 
-    A node runs one runtime. `auto`/absent/the node's own runtime are fine; anything else fails with
-    the reason: the host's, when that runtime cannot run here at all (e.g. Firecracker on PVM), else
-    that this node serves another one. Never a silent substitution.
+    `auto`/absent take the default. A runtime the node does not serve fails with the reason: the
+    host's, when that runtime cannot run here at all (e.g. Firecracker on PVM), else that this node
+    does not serve it. Never a silent substitution.
     """
     want = normalise(requested)
-    if want in (None, "auto") or want == serving:
-        return
+    if want in (None, "auto"):
+        return served[0]
+    if want in served:
+        return want
     await choose(settings, want)   # raises RuntimeUnavailable with the host's reason
-    raise RuntimeUnavailable(f"runtime {want!r} can run on this host, but this node serves {serving!r} "
-                             f"sandboxes; start the server with AGENTENV_RUNTIME={want} for {want} sandboxes")
+    raise RuntimeUnavailable(f"runtime {want!r} can run on this host, but this node serves "
+                             f"{', '.join(repr(n) for n in served)}; start the server with "
+                             f"AGENTENV_EXTRA_RUNTIMES={want} (or AGENTENV_RUNTIME={want}) for {want} sandboxes")

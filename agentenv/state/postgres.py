@@ -81,6 +81,11 @@ MIGRATIONS: list[str] = [
         heartbeat_at TIMESTAMPTZ NOT NULL, started_at TIMESTAMPTZ NOT NULL
     );
     """,
+    # 1 -> 2: a template names its runtime, a snapshot the one that made it (nodes serve several).
+    """
+    ALTER TABLE templates ADD COLUMN IF NOT EXISTS runtime TEXT;
+    ALTER TABLE snapshots ADD COLUMN IF NOT EXISTS runtime TEXT;
+    """,
 ]
 
 # Serialises schema migrations of concurrently starting processes, and the dead-node sweep.

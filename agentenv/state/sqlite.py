@@ -146,6 +146,11 @@ MIGRATIONS: list[str] = [
     """
     ALTER TABLE sandboxes ADD COLUMN memory_digest TEXT;
     """,
+    # 6 -> 7: nodes serve several runtimes: a template names its runtime, a snapshot the one that made it.
+    """
+    ALTER TABLE templates ADD COLUMN runtime TEXT;
+    ALTER TABLE snapshots ADD COLUMN runtime TEXT;
+    """,
 ]
 
 _ADD_COLUMN = re.compile(r"ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.IGNORECASE)
@@ -185,10 +190,10 @@ _SANDBOX_COLS = (
 _SNAPSHOT_COLS = (
     "snapshot_id", "team_id", "names", "source_sandbox_id", "template_id", "image", "layers", "memory_digest",
     "cpu_count", "memory_mb", "disk_mb", "env_vars", "metadata", "size_bytes", "restore_token", "created_at",
-    "network",
+    "network", "runtime",
 )
 _TEMPLATE_COLS = ("template_id", "aliases", "cpu_count", "memory_mb", "disk_mb", "image", "public", "created_at",
-                  "team_id")
+                  "team_id", "runtime")
 _KEY_COLS = ("key_id", "key_hash", "team_id", "name", "created_at", "revoked")
 _TEAM_COLS = ("team_id", "name", "max_sandboxes", "created_at")
 
@@ -415,6 +420,7 @@ class SQLiteStateStore:
             "public": int(rec.public),
             "created_at": _ts(rec.created_at),
             "team_id": rec.team_id,
+            "runtime": rec.runtime,
         }
 
     @staticmethod
@@ -429,6 +435,7 @@ class SQLiteStateStore:
             public=bool(row["public"]),
             created_at=_dt(row["created_at"]),
             team_id=row["team_id"],
+            runtime=row["runtime"],
         )
 
     async def get_template(self, id_or_alias: str) -> TemplateRecord | None:
@@ -575,7 +582,7 @@ class SQLiteStateStore:
             "cpu_count": rec.cpu_count, "memory_mb": rec.memory_mb, "disk_mb": rec.disk_mb,
             "env_vars": json.dumps(rec.env_vars), "metadata": json.dumps(rec.metadata),
             "size_bytes": rec.size_bytes, "restore_token": rec.restore_token, "created_at": _ts(rec.created_at),
-            "network": None if rec.network is None else json.dumps(rec.network),
+            "network": None if rec.network is None else json.dumps(rec.network), "runtime": rec.runtime,
         }
 
     @staticmethod
@@ -587,7 +594,7 @@ class SQLiteStateStore:
             memory_mb=row["memory_mb"], disk_mb=row["disk_mb"], env_vars=json.loads(row["env_vars"]),
             metadata=json.loads(row["metadata"]), size_bytes=row["size_bytes"], restore_token=row["restore_token"],
             created_at=_dt(row["created_at"]),
-            network=None if row["network"] is None else json.loads(row["network"]),
+            network=None if row["network"] is None else json.loads(row["network"]), runtime=row["runtime"],
         )
 
     async def get_snapshot(self, id_or_name: str) -> SnapshotRecord | None:

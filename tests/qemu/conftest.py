@@ -21,6 +21,7 @@ from serverproc import (ExtraServer, agentenv_executable, new_data_dir, remove_d
 
 QEMU_ENV = {
     "AGENTENV_RUNTIME": "qemu",
+    "AGENTENV_EXTRA_RUNTIMES": "gvisor",   # one node, two runtimes: tests/qemu/test_multi_runtime.py
     "AGENTENV_DEFAULT_MEMORY_MB": "512",   # guest RAM (a sparse file; only touched pages cost)
     "AGENTENV_DEFAULT_CPU_COUNT": "1",     # TCG: one vCPU thread per guest keeps 2 host cores usable
     "AGENTENV_DEFAULT_DISK_MB": "2048",

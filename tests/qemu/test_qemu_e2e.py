@@ -59,6 +59,9 @@ def test_commands_and_files(vm):
     assert vm.files.read("/home/user/bg.txt", request_timeout=REQ) == "done\n"
 
 
+PAUSED_S = 10
+
+
 @pytest.mark.timeout(900)
 def test_pause_resume_keeps_processes_and_files(vm, qemu_server):
     vm.commands.run("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/counter; sleep 0.2; done' "
@@ -70,6 +73,7 @@ def test_pause_resume_keeps_processes_and_files(vm, qemu_server):
     t0 = time.monotonic()
     assert vm.pause(request_timeout=REQ) is True
     t_pause = time.monotonic() - t0
+    time.sleep(PAUSED_S)  # the image sits on disk: a guest clock that is not stepped lags by this much
     t0 = time.monotonic()
     again = Sandbox.connect(vm.sandbox_id, timeout=1800, request_timeout=REQ, **qemu_server.sdk_opts())
     t_resume = time.monotonic() - t0
@@ -79,6 +83,12 @@ def test_pause_resume_keeps_processes_and_files(vm, qemu_server):
                               request_timeout=REQ).stdout.strip() == pid, "process did not survive pause/resume"
     time.sleep(1.5)
     assert int(again.files.read("/tmp/counter", request_timeout=REQ)) > before
+    # The guest clock was stepped to the host's at /init after the restore: the guest's time lies
+    # within the host times bracketing the command (1 s of slack for the second-granular parts).
+    lo = time.time()
+    guest_now = float(again.commands.run("date +%s.%N", timeout=60, request_timeout=REQ).stdout.strip())
+    hi = time.time()
+    assert lo - 1.0 <= guest_now <= hi + 1.0, f"guest clock off by {guest_now - lo:+.1f}s after a {PAUSED_S}s pause"
 
 
 @pytest.mark.timeout(1200)
