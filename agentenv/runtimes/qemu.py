@@ -41,6 +41,7 @@ from agentenv.errors import RuntimeFailure
 from agentenv.runtimes._proc import run_cmd
 from agentenv.runtimes.base import SandboxSpec
 from agentenv.storage import guest
+from agentenv.storage.artifacts import REQUIRES_FILE, ArtifactCache, drive_path
 
 log = logging.getLogger(__name__)
 
@@ -295,11 +296,7 @@ class QemuRuntime:
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         try:
-            meta = json.loads((image_dir / META_FILE).read_text())
-            for key in ("kernel", "initrd", "root_disk", "tools_disk"):
-                if not Path(meta[key]).exists():
-                    raise RuntimeFailure(f"this checkpoint needs {meta[key]}, which is not on this node "
-                                         "(QEMU checkpoints restore only where their guest drives were built)")
+            meta = await self._localise(json.loads((image_dir / META_FILE).read_text()), image_dir)
             b = spec.bundle_dir
             b.mkdir(parents=True, exist_ok=True)
             t0 = time.monotonic()
@@ -380,10 +377,38 @@ class QemuRuntime:
             keep = {k: meta[k] for k in ("kernel", "initrd", "kernel_version", "root_disk", "tools_disk",
                                          "memory_mb", "cpu_count", "machine")}
             (image_dir / META_FILE).write_text(json.dumps(keep, indent=1))
+            # The guest has these drives' blocks cached: a restore needs these exact files. Sealing the
+            # image gives them digests, and the snapshot store carries them to other nodes.
+            (image_dir / REQUIRES_FILE).write_text(json.dumps(
+                {"drives": {k: {"path": meta[k]} for k in ("root_disk", "tools_disk")}}, indent=1))
             log.debug("checkpointed %s: migration %.3fs, total %.3fs (%s)", sandbox_id, t_mig,
                       time.monotonic() - t0, "shared RAM" if meta.get("owns_ram") else "full RAM")
         finally:
             await asyncio.shield(self.stop(sandbox_id))
+
+    async def _localise(self, meta: dict, image_dir: Path) -> dict:
+        """The image's kernel and drives as files of this node: the recorded paths where they exist
+        (the node that took the image), else the same kernel version built here and the exact drives
+        pulled with the image (`<data>/drives/<digest>/`, see storage/artifacts.py)."""
+        meta = dict(meta)
+        if not (Path(meta["kernel"]).exists() and Path(meta["initrd"]).exists()):
+            kernel = await self.images.ensure_kernel()
+            if kernel.version != meta.get("kernel_version"):
+                raise RuntimeFailure(f"this checkpoint was taken with guest kernel {meta.get('kernel_version')}, "
+                                     f"this node has {kernel.version}")
+            meta["kernel"], meta["initrd"] = str(kernel.vmlinux), str(kernel.initrd)
+        drives = ArtifactCache.required_drives(image_dir)
+        for key in ("root_disk", "tools_disk"):
+            if Path(meta[key]).exists():
+                continue
+            digest = (drives.get(key) or {}).get("digest")
+            pulled = drive_path(self.paths.root, digest) if digest else None
+            if pulled is None or not pulled.is_file():
+                raise RuntimeFailure(f"this checkpoint needs the guest drive {meta[key]}"
+                                     f"{f' (sha256 {digest[:12]})' if digest else ''}, which is neither on this "
+                                     "node nor pulled from the snapshot store")
+            meta[key] = str(pulled)
+        return meta
 
     async def _to_ram_file(self, sandbox_id: str, meta: dict, image_dir: Path) -> None:
         """Turn a full-stream checkpoint into a RAM-file one, so its restores map memory copy-on-write.

@@ -6,6 +6,13 @@ Artifacts are content-addressed by the sha256 of their tar stream:
 - memory: a runtime checkpoint image. Kept extracted at `<data>/memory/<digest>/` (the image path a
   restore reads) and as a tar in `<data>/cache/memory/`.
 
+- drives: a read-only VM drive (the guest's root or tools ext4) a memory image needs, because the
+  guest kernel inside it has that exact drive's blocks cached. A memory image names them in its
+  `requires.json` (`{"drives": {"<role>": {"path": ..., "digest": ...}}}`; the runtime writes the
+  paths, sealing adds the digests). Drives are kept at their original path on the node that built
+  them and extracted at `<data>/drives/<digest>/drive.ext4` on nodes that pull them; a node builds
+  its own drives byte-differently, hence the transfer. Not garbage-collected (one per guest build).
+
 `publish` uploads a snapshot's blobs to the configured SnapshotStore and writes its manifest last;
 `ensure_*` pulls what a node lacks from the store on demand, so a node with an empty data dir can
 start a sandbox from a snapshot that exists only in the store.
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import os
 import shutil
@@ -28,6 +36,15 @@ from agentenv.storage import layers as layer_tar
 from agentenv.storage.snapshots import LocalSnapshotStore, SnapshotStore
 
 log = logging.getLogger("agentenv.storage.artifacts")
+
+
+REQUIRES_FILE = "requires.json"
+DRIVE_FILE = "drive.ext4"
+
+
+def drive_path(data_dir: Path, digest: str) -> Path:
+    """Where a pulled VM drive lives on a node (see the module docstring)."""
+    return Path(data_dir) / "drives" / digest / DRIVE_FILE
 
 
 def _empty_upper(upper: Path) -> bool:
@@ -66,7 +83,61 @@ class ArtifactCache:
 
     async def seal_memory(self, image_dir: Path) -> str:
         """Turn a checkpoint image dir into a memory artifact; returns its digest."""
+        await self._seal_required_drives(image_dir)
         return await self._seal("memory", image_dir, self.memory_dir, sparse=True)
+
+    async def _seal_required_drives(self, image_dir: Path) -> None:
+        """Give every drive the image requires a digest (sealing the drive once per node)."""
+        req_file = image_dir / REQUIRES_FILE
+        if not req_file.is_file():
+            return
+        req = json.loads(req_file.read_text())
+        for entry in (req.get("drives") or {}).values():
+            if not entry.get("digest"):
+                entry["digest"] = await self.seal_drive(Path(entry["path"]))
+        req_file.write_text(json.dumps(req, indent=1, sort_keys=True))
+
+    async def seal_drive(self, path: Path) -> str:
+        """The digest of a read-only drive file, sealed into the local blob cache (once: the result is
+        remembered beside the drive, valid while its size and mtime are unchanged)."""
+        st = path.stat()
+        stamp = f"{st.st_size}:{st.st_mtime_ns}"
+        side = path.with_name(path.name + ".digest")
+        try:
+            saved_stamp, digest = side.read_text().split()
+            if saved_stamp == stamp and await self.local.has_blob("drives", digest):
+                return digest
+        except (OSError, ValueError):
+            pass
+        tmp_dir = Path(tempfile.mkdtemp(dir=self._tmp_dir(), prefix="drive-"))
+        fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".tar")
+        os.close(fd)
+        try:
+            os.link(path, tmp_dir / DRIVE_FILE)  # same file system (both under the data dir): no copy
+            t0 = asyncio.get_running_loop().time()
+            digest, size = await layer_tar.pack(tmp_dir, Path(tmp), sparse=True)
+            async with self._locks[digest]:
+                await self.local.put_blob("drives", digest, Path(tmp))
+            log.info("sealed VM drive %s as %s (%d MiB tar) in %.1fs", path.name, digest[:12], size >> 20,
+                     asyncio.get_running_loop().time() - t0)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        side.write_text(f"{stamp} {digest}\n")
+        return digest
+
+    def _tmp_dir(self) -> Path:
+        d = self.root / "cache" / ".tmp"
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @staticmethod
+    def required_drives(image_dir: Path) -> dict[str, dict]:
+        """The drives a memory image needs: role -> {"path", "digest"} (empty for non-VM images)."""
+        try:
+            return dict(json.loads((image_dir / REQUIRES_FILE).read_text()).get("drives") or {})
+        except (OSError, ValueError):
+            return {}
 
     async def _seal(self, kind: str, src: Path, dir_of, sparse: bool = False) -> str:
         """Tar + hash `src` into the local blob cache, then move `src` to its extracted place."""
@@ -118,7 +189,20 @@ class ArtifactCache:
         return await self._ensure("layers", digest, self.layer_dir(digest))
 
     async def ensure_memory(self, digest: str) -> Path:
-        return await self._ensure("memory", digest, self.memory_dir(digest))
+        image = await self._ensure("memory", digest, self.memory_dir(digest))
+        for entry in self.required_drives(image).values():  # built elsewhere: pull the exact drive
+            if not Path(entry["path"]).is_file():
+                await self.ensure_drive(entry["digest"])
+        return image
+
+    async def ensure_drive(self, digest: str) -> Path:
+        path = drive_path(self.root, digest)
+        await self._ensure("drives", digest, path.parent)
+        side = path.with_name(path.name + ".digest")
+        if not side.exists():  # its digest is known: a later capture of a VM on it need not re-seal it
+            st = path.stat()
+            side.write_text(f"{st.st_size}:{st.st_mtime_ns} {digest}\n")
+        return path
 
     # ---------------------------------------------------------------- publication
 
@@ -126,14 +210,20 @@ class ArtifactCache:
         """Upload blobs (idempotent, retried by the store client), then the manifest, last."""
         blobs = [("layers", d) for d in snap.layers]
         if snap.memory_digest:
-            blobs.append(("memory", snap.memory_digest))
+            blobs += self._drive_blobs(snap.memory_digest) + [("memory", snap.memory_digest)]
         for kind, digest in blobs:  # put_blob skips blobs the store already has
             await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
         await self.store.put_manifest(snap.snapshot_id, snap.to_manifest())
 
+    def _drive_blobs(self, memory_digest: str) -> list[tuple[str, str]]:
+        return [("drives", e["digest"]) for e in self.required_drives(self.memory_dir(memory_digest)).values()
+                if e.get("digest")]
+
     async def publish_blobs(self, layers: list[str], memory: str | None) -> None:
         """Upload blobs (without a manifest): a paused sandbox's state for other nodes to resume."""
-        blobs = [("layers", d) for d in layers] + ([("memory", memory)] if memory else [])
+        blobs = [("layers", d) for d in layers]
+        if memory:
+            blobs += self._drive_blobs(memory) + [("memory", memory)]
         for kind, digest in blobs:
             if await self.local.has_blob(kind, digest):
                 await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))

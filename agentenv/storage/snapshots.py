@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-BLOB_KINDS = ("layers", "memory")
+BLOB_KINDS = ("layers", "memory", "drives")  # drives: read-only VM drives memory images need
 
 
 class SnapshotStore(Protocol):

@@ -36,6 +36,12 @@ def _missing() -> str | None:
 
 
 @pytest.fixture(scope="session")
+def qemu_env() -> dict[str, str]:
+    """The AGENTENV_* settings of the suite's QEMU servers (for tests that start their own)."""
+    return dict(QEMU_ENV)
+
+
+@pytest.fixture(scope="session")
 def guest_image(server) -> dict[str, Path]:
     """The guest image in the shared data dir, built by `agentenv image build --vm` (cached there).
 
