@@ -249,5 +249,6 @@ class NodeRecord:
     load: float = 0.0  # 1-minute load average / CPUs (actually used CPU)
     used_memory_mb: int = 0  # memory in use on the node (MemTotal - MemAvailable)
     cached_layers: list[str] = field(default_factory=list)  # layer digests present on the node
+    runtimes: list[str] = field(default_factory=list)  # runtimes it serves, its default first ([]: unknown)
     heartbeat_at: datetime = field(default_factory=utcnow)
     started_at: datetime = field(default_factory=utcnow)

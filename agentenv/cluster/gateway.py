@@ -27,6 +27,7 @@ from agentenv.cluster.internal import Client
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, Gone, Unavailable, sandbox_not_found
 from agentenv.models import NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TemplateRecord, rfc3339
+from agentenv.runtimes import select as runtime_select
 
 log = logging.getLogger("agentenv.cluster.gateway")
 
@@ -140,14 +141,20 @@ class ClusterOrchestrator:
     async def create_sandbox(self, *, team_id: str, template: str, **kw: Any) -> SandboxRecord:
         tmpl = await self.store.get_template(template)
         cpu, mem, layers = self.settings.default_cpu_count, self.settings.default_memory_mb, []
+        # the runtime it must run under, so that only nodes serving it are candidates (the node
+        # still decides, and refuses with the reason what it cannot serve)
+        runtime = runtime_select.normalise((kw.get("metadata") or {}).get(runtime_select.METADATA_KEY))
+        runtime = None if runtime == "auto" else runtime
         if tmpl is not None:
             cpu, mem = tmpl.cpu_count, tmpl.memory_mb
+            runtime = runtime or tmpl.runtime
         else:
             snap = await self.store.get_snapshot(template)
             if snap is not None and snap.team_id == team_id:
                 cpu, mem, layers = snap.cpu_count, snap.memory_mb, list(snap.layers)
+                runtime = (snap.runtime if snap.memory_digest else None) or runtime or snap.runtime
         return await self._placed({"kind": "create", "cpu": cpu, "memory_mb": mem, "layers": layers,
-                                   "wait_s": self.settings.admission_wait_s},
+                                   "runtime": runtime, "wait_s": self.settings.admission_wait_s},
                                   "create_sandbox", team_id=team_id, template=template, **kw)
 
     async def list_sandboxes(self, *, team_id: str) -> list[SandboxRecord]:
@@ -202,7 +209,7 @@ class ClusterOrchestrator:
     async def _move(self, rec: SandboxRecord) -> dict:
         """Have the node the scheduler picks adopt paused `rec` (unless its own node is still the best)."""
         placed = await self._place(kind="resume", cpu=rec.cpu_count, memory_mb=rec.memory_mb, layers=rec.layers,
-                                   node=rec.node_id, wait_s=self.settings.admission_wait_s)
+                                   node=rec.node_id, runtime=rec.runtime, wait_s=self.settings.admission_wait_s)
         try:
             if placed["node_id"] != rec.node_id:
                 await self.client.rpc(placed["url"], "adopt_sandbox", sandbox_id=rec.sandbox_id, from_node=rec.node_id)

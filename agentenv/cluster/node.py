@@ -91,7 +91,7 @@ class NodeAgent:
             node_id=self.node_id, url=self.url, state="draining" if self.draining else "active", cpu_count=ncpu,
             memory_mb=total_mb, max_sandboxes=self.settings.max_sandboxes, sandboxes=count, alloc_cpu=cpu,
             alloc_memory_mb=mem, load=round(os.getloadavg()[0] / ncpu, 3), used_memory_mb=used_mb,
-            cached_layers=cached, started_at=self.started_at)
+            cached_layers=cached, runtimes=list(self.orch.runtimes), started_at=self.started_at)
 
     async def heartbeat(self) -> None:
         await self.store.put_node(self.status())

@@ -4,7 +4,7 @@ Placement (`Placement.place`) filters and scores the nodes of the registry (hear
 store) instead of taking turns:
 
 - hard limits (admission control): the node is active (not draining, not dead, heartbeat fresh),
-  its active sandboxes + the placements in flight stay within its `max_sandboxes`, the memory the
+  it serves the runtime the sandbox needs (when one is named), its active sandboxes + the placements in flight stay within its `max_sandboxes`, the memory the
   sandboxes may use stays within its physical memory x `memory_overcommit`, and the memory actually
   in use leaves room for the new sandbox. No node passes -> a typed 503 (`cluster_full`) with
   Retry-After, never an overloaded node;
@@ -48,6 +48,7 @@ class Request:
     count: int = 1
     layers: list[str] = field(default_factory=list)
     node: str | None = None  # fork: the source's node; resume: the node that paused it
+    runtime: str | None = None  # the runtime the sandbox must run under (None: any node's default)
     exclude: list[str] = field(default_factory=list)  # nodes that already refused this request
     wait_s: float = 0.0  # how long to wait for room before answering 503
 
@@ -87,6 +88,8 @@ class Placement:
             return n.state
         if (utcnow() - n.heartbeat_at) > timedelta(seconds=self.dead_after_s):
             return "no recent heartbeat"
+        if req.runtime and n.runtimes and req.runtime not in n.runtimes:
+            return f"does not serve the {req.runtime} runtime"
         p_count, _p_cpu, p_mem = self._pending(n.node_id)
         if n.sandboxes + p_count + req.count > n.max_sandboxes:
             return f"at capacity ({n.sandboxes + p_count}/{n.max_sandboxes} sandboxes)"

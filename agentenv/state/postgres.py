@@ -101,7 +101,7 @@ def _upsert_sql(table: str, cols: tuple[str, ...], key: str, *, guard: str | Non
 
 
 _NODE_INFO = ("cpu_count", "memory_mb", "max_sandboxes", "sandboxes", "alloc_cpu", "alloc_memory_mb", "load",
-              "used_memory_mb", "cached_layers")
+              "used_memory_mb", "cached_layers", "runtimes")
 
 
 class PostgresStateStore:
