@@ -64,7 +64,8 @@ class NodeCollector(Collector):
                                 "Sandboxes counting against the capacity (everything but paused, incl. "
                                 "admitted starts).", value=self.orch.node_active())
         yield GaugeMetricFamily("agentenv_sandboxes_creating", "Sandbox starts in flight (creates, restores, "
-                                "fork children).", value=self.orch.starting)
+                                "fork children).", value=self.orch.starting + sum(
+                                    1 for r in records if r.state.value in ("creating", "resuming")))
         yield GaugeMetricFamily("agentenv_node_allocated_cpus", "vCPUs promised to active sandboxes.",
                                 value=sum(r.cpu_count for r in active))
         yield GaugeMetricFamily("agentenv_node_allocated_memory_bytes", "Memory limits of active sandboxes.",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -62,8 +63,22 @@ def new_snapshot_id() -> str:
 
 
 # States not counted against a team's quota (CREATING/RESUMING are counted by their reservation).
-_NOT_COUNTED = (SandboxState.PAUSED, SandboxState.KILLED, SandboxState.KILLING, SandboxState.CREATING,
-                SandboxState.RESUMING, SandboxState.FAILED)
+# States whose sandboxes do not count against a team's quota (starts do: their record stands for them).
+_NOT_COUNTED = (SandboxState.PAUSED, SandboxState.KILLED, SandboxState.KILLING, SandboxState.FAILED)
+# ... nor against the node's capacity (a dying sandbox still holds the node's resources).
+_NOT_ON_NODE = (SandboxState.PAUSED, SandboxState.KILLED, SandboxState.FAILED)
+
+
+@dataclass
+class _Admitted:
+    """An admission in flight: `left` of its sandboxes have no record yet (`Orchestrator._bind`)."""
+
+    team_id: str
+    left: int
+
+
+# The admission the current task's starts belong to (fork children: copied into their tasks).
+_ADMISSION: contextvars.ContextVar[_Admitted | None] = contextvars.ContextVar("agentenv_admission", default=None)
 _TRANSIENT = (SandboxState.CREATING, SandboxState.FORKING, SandboxState.SNAPSHOTTING, SandboxState.RESUMING)
 
 
@@ -323,17 +338,37 @@ class Orchestrator:
 
     @property
     def starting(self) -> int:
-        """Sandbox starts in flight (creates, resumes, fork children): admitted, not yet settled."""
+        """Admitted sandbox starts (creates, resumes, fork children) that have no record yet."""
         return sum(self._reserved.values())
 
     def node_active(self) -> int:
-        """Sandboxes that hold (or are about to hold) this node's resources: settled ones that are not
-        paused, dying ones still being torn down, and every admission in flight. A start counts once:
-        while it boots its record is CREATING/RESUMING and the admission stands for it."""
-        settled = sum(1 for r in self._records.values()
-                      if r.state not in (SandboxState.PAUSED, SandboxState.KILLED, SandboxState.FAILED,
-                                         SandboxState.CREATING, SandboxState.RESUMING))
-        return settled + self.starting
+        """Sandboxes that hold (or are about to hold) this node's resources: every record that is not
+        paused (starting, running, dying) plus admitted starts without a record yet. A start counts
+        once: its admission stands for it until its record exists (`_bind`)."""
+        return sum(1 for r in self._records.values() if r.state not in _NOT_ON_NODE) + self.starting
+
+    def _bind(self) -> None:
+        """A start of the current admission now has a counted record (CREATING, or RESUMING): the
+        record counts for it from here on, not the admission. Called with no await between the
+        record change and this call, so nothing counts it twice or not at all."""
+        adm = _ADMISSION.get()
+        if adm is not None and adm.left > 0:
+            adm.left -= 1
+            self._unreserve(adm.team_id, 1)
+
+    def _unbind(self) -> None:
+        """Undo `_bind` for a start whose record went away while its admission still stands."""
+        adm = _ADMISSION.get()
+        if adm is not None:
+            adm.left += 1
+            self._reserved[adm.team_id] = self._reserved.get(adm.team_id, 0) + 1
+
+    def _unreserve(self, team_id: str, n: int) -> None:
+        left = self._reserved.get(team_id, 0) - n
+        if left > 0:
+            self._reserved[team_id] = left
+        else:
+            self._reserved.pop(team_id, None)
 
     def _admit(self, n: int = 1) -> None:
         if self.node_active() + n > self.settings.max_sandboxes:
@@ -347,7 +382,8 @@ class Orchestrator:
         return self.settings.max_sandboxes_per_team
 
     def team_active(self, team_id: str) -> int:
-        """Sandboxes counted against the team's quota: not paused, plus admissions in flight."""
+        """Sandboxes counted against the team's quota: not paused (nor dying), plus admitted starts
+        without a record yet."""
         settled = sum(1 for r in self._records.values() if r.team_id == team_id and r.state not in _NOT_COUNTED)
         return settled + self._reserved.get(team_id, 0)
 
@@ -365,14 +401,13 @@ class Orchestrator:
                 f"({active} running{f', {n} requested' if n > 1 else ''}). Kill or pause one first.",
                 error_code="team_sandbox_limit", headers={"Should-Retry": "false"})
         self._reserved[team_id] = self._reserved.get(team_id, 0) + n
+        adm = _Admitted(team_id, n)
+        token = _ADMISSION.set(adm)
         try:
             yield
         finally:
-            left = self._reserved[team_id] - n
-            if left:
-                self._reserved[team_id] = left
-            else:
-                del self._reserved[team_id]
+            _ADMISSION.reset(token)
+            self._unreserve(team_id, adm.left)
 
     async def create_sandbox(self, *, team_id: str, template: str, timeout: int, metadata: dict[str, str],
                              env_vars: dict[str, str], secure: bool = True, auto_pause: bool = False,
@@ -592,6 +627,7 @@ class Orchestrator:
         """Bring a new sandbox record to RUNNING (boot, or restore from a memory image); all or nothing."""
         async with self.lifecycle.lock(rec.sandbox_id):
             self._records[rec.sandbox_id] = rec
+            self._bind()
             await self.store.put_sandbox(rec)
             try:
                 await self._bring_up(rec, restore_from=restore_from, restore_token=restore_token)
@@ -599,6 +635,7 @@ class Orchestrator:
                 log.error("start of %s failed: %s", rec.sandbox_id, e)
                 self._keep_logs(rec.sandbox_id, "failed")  # the runtime's console/VMM logs say why
                 self._records.pop(rec.sandbox_id, None)
+                self._unbind()
                 await asyncio.shield(self._teardown(rec.sandbox_id))
                 await asyncio.shield(self.store.delete_sandbox(rec.sandbox_id))
                 if isinstance(e, AgentEnvError):
@@ -985,6 +1022,7 @@ class Orchestrator:
     async def _resume_admitted(self, rec: SandboxRecord, timeout: int) -> None:
         transient, final = check(rec.state, "resume", rec.sandbox_id)
         rec.state = transient
+        self._bind()  # the resuming record counts from here on
         ckpt = self._checkpoint_dir(rec.sandbox_id)
         full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
         pinned = rec.memory_digest if rec.pause_mode != "filesystem" else None

@@ -26,7 +26,10 @@ from agentenv.runtimes.base import SandboxSpec
 from agentenv.runtimes.gvisor import GVisorRuntime
 
 DATA_DIR = Path(os.environ.get("AGENTENV_TEST_RUNTIME_DIR", "/var/tmp/agentenv-test-runtime"))
-LOWER = Path(os.environ.get("AGENTENV_TEST_LOWER", "/var/cache/agentenv-scratch/rootfs"))
+# The read-only lower: the test data dir's base image (built by `agentenv image build`, which
+# scripts/test.sh runs before pytest), or AGENTENV_TEST_LOWER.
+LOWER = Path(os.environ.get("AGENTENV_TEST_LOWER") or
+             Path(os.environ.get("AGENTENV_TEST_DATA_DIR") or "/var/tmp/agentenv-test") / "images/base/rootfs")
 # A subnet of its own so test slots never collide with a dev server's addresses on this host.
 TEST_SUBNET = os.environ.get("AGENTENV_TEST_RUNTIME_SUBNET", "10.214.0.0/16")
 PORT = 49983
@@ -39,7 +42,7 @@ def _missing() -> str | None:
     if shutil.which("runsc") is None:
         return "runsc not installed"
     if not (LOWER / "usr/bin/python3").exists():
-        return f"no scratch rootfs with python3 at {LOWER}"
+        return f"no base image rootfs with python3 at {LOWER} (scripts/test.sh builds it: agentenv image build)"
     return None
 
 
