@@ -10,6 +10,17 @@ from aiohttp import web
 log = logging.getLogger("agentenv.cluster")
 
 
+def start_role(settings, role: str):
+    """What every cluster role does first: insist on the shared token, configure its logs, and
+    return the (not yet opened) cluster state store."""
+    from agentenv.cluster.node import configure_role_logging, open_cluster_store
+
+    if not settings.cluster_token:
+        raise SystemExit(f"agentenv {role} needs AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and nodes)")
+    configure_role_logging(settings)
+    return open_cluster_store(settings)
+
+
 async def run_app(app: web.Application, host: str, port: int, *, on_started: Callable[[], Awaitable[None]] | None = None,
                   **runner_options) -> None:
     from agentenv.server import StartupError, wait_for_stop_signal

@@ -348,18 +348,12 @@ async def run_gateway(settings: Settings) -> None:
 
     from agentenv.api.app import setup_api
     from agentenv.api.auth import ApiKeyAuth
-    from agentenv.cluster._run import run_app
-    from agentenv.cluster.node import open_cluster_store
+    from agentenv.cluster._run import run_app, start_role
     from agentenv.proxy import LISTENER_OPTIONS
     from agentenv.proxy.traffic import TrafficProxy
     from agentenv.server import _print_banner
 
-    if not settings.cluster_token:
-        raise SystemExit("agentenv gateway needs AGENTENV_CLUSTER_TOKEN")
-    from agentenv.cluster.node import configure_role_logging
-
-    configure_role_logging(settings)
-    store = open_cluster_store(settings)
+    store = start_role(settings, "gateway")
     await store.open()
     client = Client(settings.cluster_token)
     orch = ClusterOrchestrator(settings, store, client)

@@ -195,17 +195,15 @@ def open_cluster_store(settings: Settings):
 
 
 async def run_node(settings: Settings, *, progress=None) -> None:
-    from agentenv.cluster._run import run_app
+    from agentenv.cluster._run import run_app, start_role
     from agentenv.proxy import LISTENER_OPTIONS
     from agentenv.runtimes._reaper import become_subreaper, reap_forever
     from agentenv.server import build, make_app
 
-    if not settings.cluster_token:
-        raise SystemExit("agentenv node needs AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and nodes)")
-    configure_role_logging(settings)
+    shared = start_role(settings, "node")
     become_subreaper()
     reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
-    store = NodeScopedStore(open_cluster_store(settings), settings.node_id)
+    store = NodeScopedStore(shared, settings.node_id)
     c = await build(settings, store=store, publish_paused=True)
     agent = NodeAgent(settings, c)
     started = False

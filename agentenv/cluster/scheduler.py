@@ -244,15 +244,9 @@ class SchedulerService:
 
 
 async def run_scheduler(settings: Settings) -> None:
-    from agentenv.cluster._run import run_app
-    from agentenv.cluster.node import open_cluster_store
+    from agentenv.cluster._run import run_app, start_role
 
-    if not settings.cluster_token:
-        raise SystemExit("agentenv scheduler needs AGENTENV_CLUSTER_TOKEN")
-    from agentenv.cluster.node import configure_role_logging
-
-    configure_role_logging(settings)
-    store = open_cluster_store(settings)
+    store = start_role(settings, "scheduler")
     await store.open()
     svc = SchedulerService(settings, store)
     try:

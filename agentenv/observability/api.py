@@ -88,7 +88,7 @@ class ObservabilityHandlers:
     def _log_entries(self, request: web.Request):
         sid = request.match_info["sandboxID"]
         team = self.team_of(request)
-        live = sid in {r.sandbox_id for r in self.ctx.orchestrator._records.values() if r.team_id == team}
+        live = sid in {r.sandbox_id for r in self.ctx.orchestrator.records() if r.team_id == team}
         if not live and not self.obs.logs.known(sid, team):
             raise sandbox_not_found(sid)
         return self.obs.logs.entries(sid)
@@ -185,7 +185,7 @@ class ObservabilityHandlers:
 
     async def nodes(self, request: web.Request) -> web.Response:
         orch, settings, obs = self.ctx.orchestrator, self.ctx.settings, self.obs
-        recs = [r for r in orch._records.values() if r.team_id]
+        recs = [r for r in orch.records() if r.team_id]
         states: dict[str, int] = {}
         for r in recs:
             states[r.state.value] = states.get(r.state.value, 0) + 1
@@ -220,7 +220,7 @@ class ObservabilityHandlers:
         orch = self.ctx.orchestrator
         nodes: dict[str, dict] = {}
         edges: list[dict] = []
-        recs = [r for r in orch._records.values() if r.team_id == team]
+        recs = [r for r in orch.records() if r.team_id == team]
         snaps = await orch.store.list_snapshots(team_id=team)
         for s in snaps:
             nodes[s.snapshot_id] = {"id": s.snapshot_id, "kind": "snapshot", "label": s.names[0] if s.names else s.snapshot_id,

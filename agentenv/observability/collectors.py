@@ -48,7 +48,7 @@ class NodeCollector(Collector):
         return iter(())
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        records = list(self.orch._records.values())
+        records = self.orch.records()
         by = Counter((r.state.value, r.runtime, r.template_id) for r in records if r.team_id)
         g = GaugeMetricFamily("agentenv_sandboxes", "Sandboxes on this node by lifecycle state, runtime and "
                               "template (or snapshot) they came from.", labels=["state", "runtime", "template"])

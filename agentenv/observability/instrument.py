@@ -81,7 +81,7 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
 
     @timed("pause_sandbox")
     async def _pause(original, sandbox_id, *args, team_id=None, **kwargs):
-        rec = orch._records.get(sandbox_id)
+        rec = orch.peek(sandbox_id)
         reason = _REASON.get() or ("timeout" if team_id is None else "request")
         if reason == "timeout" and rec is not None:
             emit("expired", sandbox_id, team_id=rec.team_id, action="pause", endAt=rec.end_at.isoformat())
@@ -92,7 +92,7 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
             fail("pause", e, sandbox_id, rec.team_id if rec else team_id)
             raise
         m.observe_op("pause", time.monotonic() - t0)
-        rec = orch._records.get(sandbox_id) or rec
+        rec = orch.peek(sandbox_id) or rec
         emit("paused", sandbox_id, team_id=rec.team_id if rec else team_id, reason=reason,
              mode=getattr(rec, "pause_mode", None), durationS=round(time.monotonic() - t0, 4))
         return out
@@ -103,7 +103,7 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
         try:
             rec, resumed = await original(sandbox_id, *args, **kwargs)
         except BaseException as e:
-            r = orch._records.get(sandbox_id)
+            r = orch.peek(sandbox_id)
             if r is not None and r.state.value in ("paused", "resuming"):
                 fail("resume", e, sandbox_id, r.team_id)
             raise
@@ -116,7 +116,7 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
     @timed("resume_on_traffic")
     async def _wake(original, sandbox_id, *args, **kwargs):
         """Wake on traffic (proxy -> auto-resume): one `resumed` event per actual resume."""
-        rec = orch._records.get(sandbox_id)
+        rec = orch.peek(sandbox_id)
         t0 = time.monotonic()
         try:
             woke = await original(sandbox_id, *args, **kwargs)
@@ -131,7 +131,7 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
 
     @timed("fork_sandbox")
     async def _fork(original, sandbox_id, *args, **kwargs):
-        src = orch._records.get(sandbox_id)
+        src = orch.peek(sandbox_id)
         t0 = time.monotonic()
         try:
             results = await original(sandbox_id, *args, **kwargs)
@@ -156,7 +156,7 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
 
     @timed("create_snapshot")
     async def _snapshot(original, sandbox_id, *args, **kwargs):
-        src = orch._records.get(sandbox_id)
+        src = orch.peek(sandbox_id)
         t0 = time.monotonic()
         try:
             snap = await original(sandbox_id, *args, **kwargs)
@@ -171,7 +171,7 @@ def instrument_orchestrator(orch: Any, obs: "Observability") -> None:
 
     @timed("kill_sandbox")
     async def _kill(original, sandbox_id, *args, team_id=None, **kwargs):
-        rec = orch._records.get(sandbox_id)
+        rec = orch.peek(sandbox_id)
         reason = _REASON.get() or ("timeout" if team_id is None else "request")
         live = rec is not None and rec.state.value not in ("killing", "killed")
         if reason == "timeout" and live:

@@ -179,9 +179,8 @@ class ResourceSampler:
             await asyncio.sleep(max(0.05, self.interval - took))
 
     def _running(self) -> list:
-        slots = getattr(self.orch, "_slots", {})
-        return [r for sid, r in list(self.orch._records.items())
-                if r.state.value == "running" and sid in slots and r.team_id]
+        return [r for r in self.orch.records()
+                if r.state.value == "running" and self.orch.has_slot(r.sandbox_id) and r.team_id]
 
     async def sample_once(self) -> None:
         recs = self._running()
@@ -221,7 +220,7 @@ class ResourceSampler:
             totals.disk_used += disk
         # Forget sandboxes that are gone; paused ones keep their history (no new samples).
         for sid in list(self.samples):
-            if sid not in self.orch._records:
+            if self.orch.peek(sid) is None:
                 self.samples.pop(sid, None)
         live = {r.sandbox_id for r in recs}
         for sid in list(self._last_cpu):

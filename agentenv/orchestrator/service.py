@@ -323,6 +323,18 @@ class Orchestrator:
             raise sandbox_not_found(sandbox_id)
         return rec
 
+    def peek(self, sandbox_id: str) -> SandboxRecord | None:
+        """The live record of any team, in any state, or None: for observers (metrics, events,
+        console), which must not change it. API callers use get_sandbox (team-checked)."""
+        return self._records.get(sandbox_id)
+
+    def records(self) -> list[SandboxRecord]:
+        """Every live record on this node (a copy of the list; observers only, like `peek`)."""
+        return list(self._records.values())
+
+    def has_slot(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._slots
+
     async def get_sandbox(self, sandbox_id: str, *, team_id: str) -> SandboxRecord:
         return self._get_live(sandbox_id, team_id)
 
