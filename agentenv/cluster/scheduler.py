@@ -17,7 +17,8 @@ store) instead of taking turns:
 Placements in flight are reserved until the gateway reports them done, so a burst of creates
 spreads out before the next heartbeats show the new load. The liveness sweep marks nodes whose
 heartbeats stopped dead and their sandboxes lost (`ClusterStateStore.expire_nodes`, one
-transaction, one scheduler at a time).
+transaction, one scheduler at a time). A node whose heartbeats are late but which still answers
+its status route is busy (its event loop starved by its sandboxes), not dead: it is spared.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import aiohttp
 from aiohttp import web
 
 from agentenv.cluster import codec
-from agentenv.cluster.internal import error_response, require_token
+from agentenv.cluster.internal import TOKEN_HEADER, Client, error_response, require_token
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Unavailable
 from agentenv.models import NodeRecord, utcnow
@@ -154,6 +156,7 @@ class SchedulerService:
         self._nodes_at = 0.0
         self._lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
+        self._client = Client(settings.cluster_token, timeout=30.0)  # probes of nodes whose heartbeats are late
 
     async def nodes(self, max_age_s: float = 0.25) -> list[NodeRecord]:
         """The registry, re-read at most every `max_age_s` (placements come in bursts)."""
@@ -204,8 +207,27 @@ class SchedulerService:
     async def list_nodes(self, request: web.Request) -> web.Response:
         return web.json_response(codec.encode(await self.store.list_nodes()))
 
+    async def _answers(self, n: NodeRecord) -> bool:
+        """Whether a node with late heartbeats still answers `GET /internal/status`."""
+        try:
+            async with self._client.session.get(
+                    f"{n.url.rstrip('/')}/internal/status", headers={TOKEN_HEADER: self._client.token},
+                    timeout=aiohttp.ClientTimeout(total=max(1.0, self.settings.node_dead_after_s / 2))) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
     async def sweep(self) -> dict[str, list[str]]:
-        lost = await self.store.expire_nodes(self.settings.node_dead_after_s)
+        dead_after = timedelta(seconds=self.settings.node_dead_after_s)
+        late = [n for n in await self.store.list_nodes()
+                if n.state != "dead" and utcnow() - n.heartbeat_at > dead_after]
+        spare = []
+        for n, ok in zip(late, await asyncio.gather(*(self._answers(n) for n in late))):
+            if ok:
+                spare.append(n.node_id)
+                log.warning("node %s: no heartbeat for %.0fs, but it answers: busy, not declared dead", n.node_id,
+                            (utcnow() - n.heartbeat_at).total_seconds())
+        lost = await self.store.expire_nodes(self.settings.node_dead_after_s, spare=spare)
         for node_id, ids in lost.items():
             log.warning("node %s stopped heartbeating: declared dead, %d sandbox(es) lost: %s", node_id, len(ids),
                         ", ".join(ids[:20]))
@@ -230,6 +252,7 @@ class SchedulerService:
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
+        await self._client.close()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[require_token(self.settings.cluster_token)])

@@ -358,8 +358,9 @@ class PostgresStateStore:
     async def set_node_state(self, node_id: str, state: str) -> bool:
         return (await self._p.execute("UPDATE nodes SET state = $2 WHERE node_id = $1", node_id, state)).endswith(" 1")
 
-    async def expire_nodes(self, dead_after_s: float) -> dict[str, list[str]]:
-        """One transaction: nodes past their deadline become dead and their unsafe sandboxes LOST."""
+    async def expire_nodes(self, dead_after_s: float, *, spare: list[str] = ()) -> dict[str, list[str]]:
+        """One transaction: nodes past their deadline (but those in `spare`) become dead and their
+        unsafe sandboxes LOST."""
         survive = [s.value for s in SURVIVES_NODE_LOSS]
         out: dict[str, list[str]] = {}
         async with self._p.acquire() as con, con.transaction():
@@ -367,7 +368,7 @@ class PostgresStateStore:
                 return out  # another scheduler is sweeping right now
             dead = await con.fetch(
                 "UPDATE nodes SET state = 'dead' WHERE state <> 'dead' AND heartbeat_at < now() - $1::interval "
-                "RETURNING node_id", timedelta(seconds=dead_after_s))
+                "AND NOT (node_id = ANY($2::text[])) RETURNING node_id", timedelta(seconds=dead_after_s), list(spare))
             for row in dead:
                 lost = await con.fetch(
                     "UPDATE sandboxes SET state = $2, slot = NULL WHERE node_id = $1 AND state <> $2 AND NOT "

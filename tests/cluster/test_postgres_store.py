@@ -148,3 +148,44 @@ async def test_template_builds_tags_and_cache(store):
     await store.delete_template("t2")
     assert await store.get_template("t2") is None and await store.list_builds("t2") == []
     assert await store.get_cache_entry("k") is None
+
+
+async def test_scheduler_spares_a_late_node_that_still_answers(store):
+    """Late heartbeats alone do not kill a node: one that answers its status route is busy (e.g. its
+    event loop starved by its sandboxes); one that does not answer is declared dead."""
+    from aiohttp import web
+
+    from agentenv.cluster.internal import TOKEN_HEADER
+    from agentenv.cluster.scheduler import SchedulerService
+    from agentenv.config import Settings
+    from serverproc import free_port
+
+    seen: list[str] = []
+
+    async def status(request: web.Request) -> web.Response:
+        seen.append(request.headers.get(TOKEN_HEADER, ""))
+        return web.json_response({"node_id": "busy"})
+
+    app = web.Application()
+    app.router.add_get("/internal/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    svc = SchedulerService(Settings(cluster_token="t0k", node_dead_after_s=5), store)
+    try:
+        await store.put_node(NodeRecord("busy", f"http://127.0.0.1:{port}"))
+        await store.put_node(NodeRecord("gone", f"http://127.0.0.1:{free_port()}"))  # nothing listens there
+        await store.put_sandbox(sandbox(20, node_id="busy"))
+        await store.put_sandbox(sandbox(21, node_id="gone"))
+        await store._p.execute("UPDATE nodes SET heartbeat_at = now() - interval '30 seconds' "
+                               "WHERE node_id IN ('busy', 'gone')")
+        lost = await svc.sweep()
+        assert lost == {"gone": [sandbox(21).sandbox_id]}
+        assert seen == ["t0k"]  # asked once, with the cluster token
+        assert (await store.get_node("busy")).state == "active"
+        assert (await store.get_sandbox(sandbox(20).sandbox_id)).state == SandboxState.RUNNING
+        assert (await store.get_node("gone")).state == "dead"
+    finally:
+        await svc.stop()
+        await runner.cleanup()
