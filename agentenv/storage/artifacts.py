@@ -141,9 +141,7 @@ class ArtifactCache:
 
     async def _seal(self, kind: str, src: Path, dir_of, sparse: bool = False) -> str:
         """Tar + hash `src` into the local blob cache, then move `src` to its extracted place."""
-        tmp_dir = self.root / "cache" / ".tmp"
-        tmp_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=tmp_dir, suffix=".tar")
+        fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".tar")
         os.close(fd)
         try:
             digest, _size = await layer_tar.pack(src, Path(tmp), sparse=sparse)
