@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -41,17 +40,40 @@ def check_root() -> Check:
                  None if root else "run agentenv as root (netns, mounts, runsc need it)")
 
 
+RUNSC_FIX = ("bash scripts/setup.sh installs the current runsc (gVisor >= {min}): from bookworm-backports on "
+             "Debian 12, from the distribution on Debian 13 / Ubuntu; or install gVisor's release "
+             "(https://gvisor.dev/docs/user_guide/install/)")
+
+
 def check_runsc(settings: Settings) -> Check:
+    """runsc's path and release (fails below MIN_RELEASE), and the platform it runs sandboxes on here."""
+    import asyncio
+
+    from agentenv.errors import RuntimeFailure
+    from agentenv.runtimes.gvisor_platform import MIN_RELEASE, choose_platform, default_cache_dir, runsc_release
+
+    name = "runsc (gVisor)"
+    fix = RUNSC_FIX.format(min=MIN_RELEASE)
     path = shutil.which(settings.runsc_path)
     if not path:
-        return Check("runsc (gVisor)", "fail", "not found", "apt-get install runsc (or install gVisor's release)")
-    rc, out = _run([path, "--version"])
-    version = out.splitlines()[0] if out else "?"
-    m = re.search(r"(\d{8})", version)
-    detail = f"{path}: {version}"
-    if m and m.group(1) < "20230101":
-        return Check("runsc (gVisor)", "ok", detail + " (old release: ptrace platform, netns workaround active)")
-    return Check("runsc (gVisor)", "ok" if rc == 0 else "fail", detail)
+        return Check(name, "fail", f"{settings.runsc_path}: not found", fix)
+    release = runsc_release(path)
+    if release is not None and release < MIN_RELEASE:
+        return Check(name, "fail", f"{path}: release {release}, older than {MIN_RELEASE} (no systrap, "
+                     "checkpoints of epoll servers and TCP connections lose the sandbox)", fix)
+    try:
+        choice = asyncio.run(choose_platform(path, settings.runsc_platform, default_cache_dir(settings.data_dir),
+                                             fresh=True))
+    except RuntimeFailure as e:
+        return Check(name, "fail", f"{path}: release {release or '?'}; platform {settings.runsc_platform}: "
+                     f"{e.message}", "set AGENTENV_GVISOR_PLATFORM=auto (or runsc_platform = \"auto\" in the config file)")
+    probed = ", ".join(f"{p}={'ok' if r == 'ok' else 'no'}" for p, r in sorted(choice.probed.items()))
+    detail = (f"{path}: release {release or '?'}; platform {choice.platform} "
+              f"({settings.runsc_platform}: {choice.reason}) [probed: {probed}]")
+    if release is None:  # e.g. a self-built runsc: it runs, but we cannot tell whether it is new enough
+        return Check(name, "warn", detail, f"no release date in `{path} --version`: agentenv needs {MIN_RELEASE} "
+                     f"or newer; {fix}")
+    return Check(name, "ok", detail)
 
 
 def check_tool(name: str, pkg: str, why: str) -> Check:
