@@ -64,8 +64,7 @@ apt_install() {
 }
 
 # --- system packages ---------------------------------------------------------
-# gcc + libc6-dev build the tools layer's gVisor compat shim (agentenv/storage/compat).
-SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-certificates gcc libc6-dev)
+SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-certificates)
 # The QEMU microVM runtime: the VMM, qcow2 tools, and what builds the guest image (mkfs.ext4 -d,
 # lz4 to unpack the kernel; the kernel and busybox-static themselves come via `apt-get download`).
 SYSTEM_PKGS+=(qemu-system-x86 qemu-utils e2fsprogs lz4)
@@ -74,7 +73,8 @@ SYSTEM_PKGS+=(qemu-system-x86 qemu-utils e2fsprogs lz4)
 if ! command -v runsc >/dev/null 2>&1; then
   SYSTEM_PKGS+=(runsc)
 fi
-# Node.js/npm always: the web console's libraries come from npm (agentenv/console/package.json).
+# Node.js/npm always: the web console's libraries come from npm (agentenv/console/package.json), and
+# `npm pack` fetches the base image's pinned Node.js (agentenv/storage/nodejs.py).
 if ! { command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; }; then
   # Only when Node.js is absent: a nodejs from another source (e.g. nodesource) ships npm itself.
   SYSTEM_PKGS+=(nodejs npm)
@@ -90,6 +90,8 @@ if [ "$WITH_TEST" -eq 1 ]; then
   SYSTEM_PKGS+=(openssl)
   # musl-tools + busybox-static: tests/templates builds a musl/BusyBox (Alpine-like) OCI image offline.
   SYSTEM_PKGS+=(musl-tools busybox-static file)
+  # gcc + libc6-dev: C test programs (the Firecracker test guest, musl-gcc's driver, benchmarks/).
+  SYSTEM_PKGS+=(gcc libc6-dev)
 fi
 apt_install "${SYSTEM_PKGS[@]}"
 command -v runsc >/dev/null 2>&1 || die "runsc (gVisor) is not installed and could not be installed"

@@ -47,19 +47,26 @@ def rfc3339_ns(ns: int) -> str:
     return f"{base}.{frac:09d}Z" if frac else f"{base}Z"
 
 
-def read_metadata(path: str) -> dict[str, str]:
-    """user.e2b.* extended attributes with the prefix stripped (empty where xattrs are unsupported)."""
+def read_metadata(target: str | int) -> dict[str, str]:
+    """File metadata: the user.e2b.* extended attributes of a path (following symlinks) or an open fd,
+    prefix stripped.
+
+    Empty where the filesystem has no user xattrs. Entries whose name or value is not UTF-8 (possible
+    when set inside the sandbox) are skipped: the protocol's map carries strings only.
+    """
     out: dict[str, str] = {}
     try:
-        names = os.listxattr(path)
+        names = os.listxattr(target)
     except OSError:
         return out
     for name in names:
-        if name.startswith(XATTR_PREFIX):
-            try:
-                out[name[len(XATTR_PREFIX):]] = os.getxattr(path, name).decode("utf-8", "replace")
-            except OSError:
-                continue
+        if not name.startswith(XATTR_PREFIX) or len(name) == len(XATTR_PREFIX):
+            continue
+        try:
+            name.encode("utf-8")  # listxattr decodes with surrogateescape: a non-UTF-8 name raises here
+            out[name[len(XATTR_PREFIX):]] = os.getxattr(target, name).decode("utf-8")
+        except (OSError, UnicodeError):
+            continue
     return out
 
 
@@ -89,10 +96,9 @@ def entry_info(path: str, st: os.stat_result | None = None) -> dict:
         info["type"] = FILE_TYPE_DIRECTORY
     else:
         info["type"] = FILE_TYPE_FILE
-    if not stat.S_ISLNK(mode):
-        meta = read_metadata(path)
-        if meta:
-            info["metadata"] = meta
+    meta = read_metadata(path)  # a symlink shows its target's, as E2B's envd does
+    if meta:
+        info["metadata"] = meta
     return info
 
 

@@ -22,7 +22,7 @@ from email.utils import formatdate
 
 from aiohttp import hdrs, web
 
-from agentenv.envd.entry import XATTR_PREFIX
+from agentenv.envd.entry import XATTR_PREFIX, read_metadata
 from agentenv.envd.state import UNAUTHORIZED_MESSAGE, EnvdState, basic_auth_user, get_state
 from agentenv.envd.users import UnknownUser, User, lookup_user, resolve_path
 
@@ -34,6 +34,13 @@ GZIP_SAMPLE = 64 * 1024
 GZIP_MIN_SAVING = 0.1
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
+# File metadata (`X-Metadata-<key>: <value>` upload headers -> `user.e2b.<key>` xattrs). Linux caps an
+# xattr name at 255 bytes; ext4 keeps all of an inode's xattrs in one 4 KiB block, so the whole set
+# (prefixed names + values) is held to that budget up front instead of failing half way.
+METADATA_HEADER_PREFIX = "x-metadata-"
+MAX_METADATA_KEY = 255 - len(XATTR_PREFIX)
+MAX_METADATA_TOTAL = 4096
+_XATTR_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
 class HTTPFail(Exception):
@@ -125,21 +132,64 @@ def _open_read(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def _open_write(path: str) -> int:
+class MetadataUnsupported(OSError):
+    """The file's filesystem has no user xattrs, so metadata cannot be stored on it."""
+
+
+def _replace_metadata(fd: int, metadata: dict[str, str]) -> None:
+    """Make `metadata` the file's whole user.e2b.* set: stale keys go (an overwrite replaces the set).
+
+    Without user xattr support an empty set is a no-op and a non-empty one raises MetadataUnsupported.
+    """
+    try:
+        names = os.listxattr(fd)
+        for name in names:
+            if name.startswith(XATTR_PREFIX) and name[len(XATTR_PREFIX):] not in metadata:
+                os.removexattr(fd, name)
+        for key, value in metadata.items():
+            os.setxattr(fd, XATTR_PREFIX + key, value.encode("ascii"))
+    except OSError as exc:
+        if exc.errno not in _XATTR_UNSUPPORTED:
+            raise
+        if metadata:
+            raise MetadataUnsupported(exc.errno, exc.strerror) from None
+
+
+def _open_upload(path: str, metadata: dict[str, str]) -> int:
+    """Open `path` for an upload and give it `metadata`, before any byte of it changes.
+
+    The metadata is stored first and the file truncated only after that, so an upload whose metadata
+    cannot be stored leaves an existing file as it was and creates no new one.
+    """
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "is a directory")
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-
-
-def _set_metadata(path: str, metadata: dict[str, str]) -> None:
-    for name in os.listxattr(path):
-        if name.startswith(XATTR_PREFIX):
-            os.removexattr(path, name)
-    for key, value in metadata.items():
-        os.setxattr(path, XATTR_PREFIX + key, value.encode())
+    created = False
+    fd = -1
+    for _ in range(3):  # create, or open what exists (it may vanish or appear in between)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            created = True
+            break
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+                break
+            except FileNotFoundError:  # removed meanwhile, or a dangling symlink
+                continue
+    if fd < 0:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        _replace_metadata(fd, metadata)
+        os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        if created:
+            _unlink_quiet(path)
+        raise
+    return fd
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -264,13 +314,23 @@ async def get_files(request: web.Request) -> web.StreamResponse:
 
 
 def _metadata_headers(request: web.Request) -> dict[str, str]:
+    """`X-Metadata-<key>` headers -> {key lowercased: value}; the first of repeated headers wins."""
     meta: dict[str, str] = {}
+    total = 0
     for key, value in request.headers.items():
-        if key.lower().startswith("x-metadata-"):
-            name = key[len("x-metadata-"):].lower()
-            if not name or not _PRINTABLE.match(name) or not _PRINTABLE.match(value):
-                raise HTTPFail(400, f"invalid metadata header {key!r}: only printable ASCII is allowed")
-            meta[name] = value
+        if not key.lower().startswith(METADATA_HEADER_PREFIX):
+            continue
+        name = key[len(METADATA_HEADER_PREFIX):].lower()
+        if not name or name in meta:
+            continue
+        if not _PRINTABLE.match(name) or not _PRINTABLE.match(value):
+            raise HTTPFail(400, f"invalid metadata header {key!r}: only printable ASCII is allowed")
+        if len(name) > MAX_METADATA_KEY:
+            raise HTTPFail(400, f"invalid metadata key {name!r}: longer than {MAX_METADATA_KEY} bytes")
+        meta[name] = value
+        total += len(XATTR_PREFIX) + len(name) + len(value)
+    if total > MAX_METADATA_TOTAL:
+        raise HTTPFail(400, f"file metadata too large: {total} bytes of names and values, at most {MAX_METADATA_TOTAL}")
     return meta
 
 
@@ -286,11 +346,17 @@ class _Budget:
 
 
 async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Budget, meta: dict) -> dict:
-    """Stream `chunks` (async iterator of bytes) into `path`; remove the partial file on failure."""
+    """Stream `chunks` (async iterator of bytes) into `path` with file metadata `meta` (which replaces
+    the file's earlier metadata, none clearing it); remove the partial file on failure."""
     loop = asyncio.get_running_loop()
     try:
-        fd = await state.executor.run(user, _open_write, path)
+        fd = await state.executor.run(user, _open_upload, path, meta)
+    except MetadataUnsupported:
+        raise HTTPFail(400, f"file metadata cannot be stored at '{path}': its filesystem has no user "
+                            "extended attributes (user.e2b.*); nothing was written") from None
     except OSError as exc:
+        if exc.errno in (errno.E2BIG, errno.ERANGE):
+            raise HTTPFail(400, f"file metadata too large for the filesystem of '{path}'") from None
         raise _os_fail(exc, path) from None
     ok = False
     try:
@@ -299,6 +365,7 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
                 continue
             budget.take(len(chunk))
             await loop.run_in_executor(None, _write_all, fd, chunk)
+        stored = await loop.run_in_executor(None, read_metadata, fd)
         ok = True
     except OSError as exc:
         raise _os_fail(exc, path) from None
@@ -306,16 +373,9 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
         os.close(fd)
         if not ok:
             await state.executor.run(user, _unlink_quiet, path)
-    try:
-        if meta:  # metadata headers replace earlier metadata; without them it is left alone
-            await state.executor.run(user, _set_metadata, path, meta)
-    except OSError as exc:
-        if exc.errno == errno.ENOTSUP:
-            raise HTTPFail(400, f"file metadata is not supported here (no user xattrs on the filesystem of '{path}')") from None
-        raise _os_fail(exc, path) from None
     out = {"name": os.path.basename(path), "path": path, "type": "file"}
-    if meta:
-        out["metadata"] = meta
+    if stored:  # what the file holds now, read back, as E2B's envd answers
+        out["metadata"] = stored
     return out
 
 

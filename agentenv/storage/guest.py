@@ -263,8 +263,10 @@ def root_key(lowers: list[Path]) -> str:
     parts = []
     for lower in lowers:
         manifest = lower.parent / "manifest.json"
-        if manifest.is_file():  # an image: its build id changes on every rebuild
-            parts.append(json.loads(manifest.read_text()).get("build_id", str(lower)))
+        if manifest.is_file():  # an image: its build id changes on every rebuild, its revision on a fix-up
+            m = json.loads(manifest.read_text())
+            rev = int(m.get("revision", 0))
+            parts.append(str(m.get("build_id", lower)) + (f"+r{rev}" if rev else ""))
         else:  # a content-addressed layer
             parts.append(lower.name)
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

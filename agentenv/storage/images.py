@@ -2,13 +2,17 @@
 
 Layout under `<data_dir>/images/`:
     base/rootfs/          the default image (debootstrap minbase + a few tools), never written after build
-    base/manifest.json    name, created, suite, packages, size, build id
+    base/manifest.json    name, created, suite, packages, size, build id, extras (Node.js), revision
     base.log              debootstrap + customisation output of the last build
     tools/<hash>/         the tools layer (own interpreter + envd), see `agentenv.storage.tools`
+    .cache/nodejs/        the pinned Node.js/npm tarballs the base image unpacks (`agentenv.storage.nodejs`)
     .<name>.lock          flock serialising builds across processes
 
 Builds happen in a hidden temp dir next to the target and are published with one rename, so a
-reader sees either nothing or a complete image.
+reader sees either nothing or a complete image. An image built by an older agentenv is brought up to
+date in place, under the build lock, by additive fix-ups (`_fix_up_base`): Node.js/npm added, the
+statx preload line of runsc releases before 2023 removed. Each fix-up bumps the manifest's
+`revision`, which names the rootfs in derived caches (microVM root drives).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from agentenv import constants
 from agentenv.config import Settings
 from agentenv.errors import BadRequest, NotFound, RuntimeFailure
 from agentenv.storage._util import CommandError, file_lock, run, tree_size, umount_all_under
+from agentenv.storage import nodejs
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +164,7 @@ class ImageStore:
         self.paths = settings.paths
         self.images_dir = self.paths.images
         self._base_ready: Path | None = None  # set once the base image is known good in this process
+        self._checked: set[str] = set()  # images already cleaned of the legacy preload line
 
     # --- lookup ------------------------------------------------------------------------------
 
@@ -172,6 +178,13 @@ class ImageStore:
         root = self.image_dir(name) / "rootfs"
         if not (self.image_dir(name) / "manifest.json").is_file() or not root.is_dir():
             raise NotFound(f"image {name!r} is not built (run `agentenv image build` or start the server)")
+        if name not in self._checked:  # imported images carry the old preload line too
+            if remove_legacy_preload(root):
+                manifest = self.image_dir(name) / "manifest.json"
+                m = json.loads(manifest.read_text())
+                m["revision"] = int(m.get("revision", 0)) + 1
+                _write_json(manifest, m)
+            self._checked.add(name)
         return root
 
     def manifest(self, name: str) -> dict:
@@ -227,8 +240,11 @@ class ImageStore:
             return self._base_ready
         target = self.images_dir / BASE_IMAGE
         if (target / "manifest.json").is_file():
-            ensure_preload(target / "rootfs")  # images cached before the shim existed
-            ensure_sudo_shim(target / "rootfs")  # ... or before sudo over envd existed
+            if self._needs_fix_up(target):
+                self.images_dir.mkdir(parents=True, exist_ok=True)
+                async with file_lock(self.images_dir / f".{BASE_IMAGE}.lock"):
+                    await self._fix_up_base(target, progress)
+            ensure_sudo_shim(target / "rootfs")  # images cached before sudo over envd existed
             self._base_ready = target / "rootfs"
             return self._base_ready
         self.images_dir.mkdir(parents=True, exist_ok=True)
@@ -251,6 +267,37 @@ class ImageStore:
             progress("base image ready", 1.0)
         return target / "rootfs"
 
+    @staticmethod
+    def _needs_fix_up(target: Path) -> bool:
+        rootfs = target / "rootfs"
+        return has_legacy_preload(rootfs) or not nodejs.is_current(rootfs)
+
+    async def _fix_up_base(self, target: Path, progress: ProgressFn | None) -> None:
+        """Bring a base image built by an older agentenv up to date, in place (caller holds the lock)."""
+        rootfs = target / "rootfs"
+        changed = remove_legacy_preload(rootfs)
+        if not nodejs.is_current(rootfs):
+            log.info("adding Node.js %s to the cached base image", nodejs.NODE_VERSION)
+            try:
+                await asyncio.to_thread(nodejs.install, rootfs, self._node_cache(),
+                                        self.images_dir / f"{BASE_IMAGE}.log", progress, (0.0, 0.95))
+                changed = True
+            except (nodejs.NodeInstallError, OSError) as exc:
+                # The image works without it; the next server start tries again.
+                log.warning("cached base image kept without Node.js %s: %s", nodejs.NODE_VERSION, exc)
+                if progress:
+                    progress(f"Node.js not added to the cached base image: {exc}", None)
+        if changed:
+            manifest = json.loads((target / "manifest.json").read_text())
+            manifest["extras"] = {"nodejs": nodejs.installed(rootfs)}
+            manifest["revision"] = int(manifest.get("revision", 0)) + 1
+            _write_json(target / "manifest.json", manifest)
+            if progress:
+                progress("base image updated", 1.0)
+
+    def _node_cache(self) -> Path:
+        return self.images_dir / ".cache" / "nodejs"
+
     def _remove_stale(self, name: str) -> None:
         """Temp dirs of builds that died (we hold the lock, so nobody else is using them)."""
         for d in self.images_dir.glob(f".{name}.tmp-*"):
@@ -269,7 +316,7 @@ class ImageStore:
         logfile = self.images_dir / f"{BASE_IMAGE}.log"
         logfile.write_text(f"# build of {BASE_IMAGE} started {datetime.now(timezone.utc).isoformat()}\n")
         started = time.monotonic()
-        parser = _DebootstrapProgress(rootfs, progress)
+        parser = _DebootstrapProgress(rootfs, progress, end=0.85)
         if progress:
             progress(f"debootstrap {s.debian_suite} from {s.debian_mirror}", 0.0)
         # A private mount namespace: whatever debootstrap mounts (proc, sys) dies with it.
@@ -281,13 +328,16 @@ class ImageStore:
         try:
             await run(argv, timeout=DEBOOTSTRAP_TIMEOUT, log=logfile, on_line=parser.feed)
             if progress:
-                progress("customising the image", 0.93)
+                progress("customising the image", 0.86)
             await self._customise(rootfs, logfile)
+            await asyncio.to_thread(nodejs.install, rootfs, self._node_cache(), logfile, progress, (0.88, 0.96))
             if progress:
                 progress("writing manifest", 0.97)
             manifest = await asyncio.to_thread(self._make_manifest, rootfs, started)
         except CommandError as exc:
             raise ImageBuildError(f"building image {BASE_IMAGE!r} failed: {exc} (full log: {logfile})") from None
+        except nodejs.NodeInstallError as exc:
+            raise ImageBuildError(f"building image {BASE_IMAGE!r} failed: {exc}") from None
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         with open(logfile, "a") as f:
             f.write(f"# done in {manifest['build_seconds']} s, {manifest['size']} bytes\n")
@@ -329,7 +379,6 @@ class ImageStore:
                     p.unlink()
         shutil.rmtree(rootfs / "debootstrap", ignore_errors=True)
         (rootfs / constants.TOOLS_MOUNT.lstrip("/")).mkdir(mode=0o755, exist_ok=True)  # tools layer mount point
-        ensure_preload(rootfs)  # last: chroot commands above must not try to load it
         machine_id = rootfs / "etc/machine-id"
         if machine_id.exists():
             machine_id.write_text("")  # each sandbox is its own machine
@@ -343,6 +392,7 @@ class ImageStore:
             "mirror": self.settings.debian_mirror,
             "requested_packages": BASE_PACKAGES,
             "packages": packages,
+            "extras": {"nodejs": nodejs.installed(rootfs)},
             "size": tree_size(rootfs),
             "build_id": uuid.uuid4().hex,
             "build_seconds": round(time.monotonic() - started, 1),
@@ -384,19 +434,47 @@ def _dpkg_packages(rootfs: Path) -> dict[str, str]:
     return dict(sorted(pkgs.items()))
 
 
-def ensure_preload(rootfs: Path) -> None:
-    """Make /etc/ld.so.preload load the tools layer's gVisor compat shim (idempotent).
+# The line runsc releases before mid-2023 needed (a preload shim that dropped AT_NO_AUTOMOUNT from
+# statx/fstatat); images built by older agentenv versions carry it. The shim is gone from the tools
+# layer, and glibc's loader prints an error to stderr in *every* process while the line names a
+# missing file, so images are cleaned of it (`remove_legacy_preload`).
+LEGACY_PRELOAD = f"{constants.TOOLS_MOUNT}/compat/libagentenv_compat.so"
 
-    Older gVisor rejects AT_NO_AUTOMOUNT in statx/fstatat, which breaks coreutils' ls and stat;
-    the shim drops the flag. A missing shim (tools layer not mounted) is only a warning for ld.so.
+
+def has_legacy_preload(rootfs: Path) -> bool:
+    try:
+        return LEGACY_PRELOAD in (rootfs / "etc/ld.so.preload").read_text().split()
+    except OSError:
+        return False
+
+
+def remove_legacy_preload(rootfs: Path) -> bool:
+    """Drop agentenv's old statx shim from the image's /etc/ld.so.preload; True if it was there.
+
+    Other preload entries stay; a file left empty is removed (Debian ships none). The file is replaced
+    by rename, never rewritten in place (image trees may share inodes through hard links).
     """
-    from agentenv.storage.tools import compat_preload_path
-
     f = rootfs / "etc/ld.so.preload"
-    line = compat_preload_path()
-    current = f.read_text().splitlines() if f.exists() else []
-    if line not in current:
-        f.write_text("\n".join([*current, line]) + "\n")
+    if not has_legacy_preload(rootfs):
+        return False
+    try:
+        keep = [line for line in f.read_text().splitlines() if line.strip() != LEGACY_PRELOAD]
+    except FileNotFoundError:  # another process cleaned it meanwhile
+        return False
+    if any(line.strip() for line in keep):
+        tmp = f.with_name(f".ld.so.preload.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.write_text("\n".join(keep) + "\n")
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, f)
+    else:
+        f.unlink(missing_ok=True)
+    return True
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.rename(tmp, path)
 
 
 SUDO_SHIM_PATH = "usr/local/bin/sudo"

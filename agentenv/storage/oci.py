@@ -3,7 +3,7 @@
 An imported image becomes an ordinary read-only image under `<data>/images/<name>/rootfs` (layers
 applied in order, whiteouts honoured) plus a `manifest.json` carrying the image config (Env,
 WorkingDir, User). Fix-ups make any distribution run envd: the tools layer brings its own loader and
-libc, so only a mount point, a `user` account, resolver files and the sudo/compat shims are added.
+libc, so only a mount point, a `user` account, resolver files and the sudo shim are added.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _apply_layer(layer: Path, rootfs: Path) -> None:
 def _fix_up(rootfs: Path) -> dict:
     """What envd needs in any distribution: tools mount point, `user` (1000), resolver, shims."""
     from agentenv import constants
-    from agentenv.storage.images import HOSTNAME, NAMESERVERS, ensure_preload, ensure_sudo_shim
+    from agentenv.storage.images import HOSTNAME, NAMESERVERS, ensure_sudo_shim
 
     info = {}
     osr = rootfs / "etc/os-release"
@@ -188,7 +188,6 @@ def _fix_up(rootfs: Path) -> dict:
     (rootfs / "etc/hosts").write_text(f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost\n")
     (rootfs / "etc/resolv.conf").write_text("".join(f"nameserver {ns}\n" for ns in NAMESERVERS))
     ensure_sudo_shim(rootfs)
-    ensure_preload(rootfs)
     return info
 
 

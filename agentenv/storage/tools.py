@@ -131,29 +131,7 @@ def _compute_hash(python_bin: Path) -> str:
     h.update(json.dumps(envd_requirements()).encode())
     h.update(hashlib.sha256(python_bin.read_bytes()).digest())
     h.update(Path(__file__).read_bytes())
-    h.update(COMPAT_SOURCE.read_bytes())
     return h.hexdigest()[:16]
-
-
-# A preload shim for old gVisor releases (see compat/statx_compat.c), built with the host's C
-# compiler and referenced from the base image's /etc/ld.so.preload.
-COMPAT_SOURCE = Path(__file__).parent / "compat" / "statx_compat.c"
-COMPAT_LIB = "compat/libagentenv_compat.so"  # relative to the tools layer
-
-
-def compat_preload_path() -> str:
-    """The shim as seen inside sandboxes."""
-    return f"{constants.TOOLS_MOUNT}/{COMPAT_LIB}"
-
-
-async def _build_compat(tmp: Path, logfile: Path) -> None:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (apt-get install gcc libc6-dev): needed for the gVisor compat shim")
-    out = tmp / COMPAT_LIB
-    out.parent.mkdir(parents=True, exist_ok=True)
-    await run([cc, "-shared", "-fPIC", "-O2", "-Wall", "-o", str(out), str(COMPAT_SOURCE)],
-              timeout=CMD_TIMEOUT, log=logfile)
 
 
 def _base_python(base_rootfs: Path) -> Path:
@@ -247,9 +225,6 @@ async def _build(tmp: Path, base: Path, python_bin: Path, digest: str, logfile: 
         dst = site / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
-
-    step("building the compat shim", 0.85)
-    await _build_compat(tmp, logfile)
 
     step("byte-compiling and checking", 0.9)
     # The layer is read-only in sandboxes: compile now, with paths as seen inside (/.agentenv/...).

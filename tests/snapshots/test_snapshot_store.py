@@ -87,6 +87,7 @@ async def test_layer_pack_keeps_whiteouts_xattrs_and_is_content_addressed(tmp_pa
     os.symlink("dir/f.txt", src / "link")
     subprocess.run(["mknod", str(src / "gone"), "c", "0", "0"], check=True)  # overlay whiteout
     os.setxattr(src / "dir", "trusted.overlay.opaque", b"y")
+    os.setxattr(src / "dir" / "f.txt", "user.e2b.origin", b"sdk")  # E2B file metadata
     d1, n1 = await layers.pack(src, tmp_path / "a.tar")
     d2, _ = await layers.pack(src, tmp_path / "b.tar")
     assert d1 == d2 and n1 > 0  # deterministic: same content, same digest
@@ -101,3 +102,4 @@ async def test_layer_pack_keeps_whiteouts_xattrs_and_is_content_addressed(tmp_pa
     st = os.stat(dst / "gone")
     assert os.major(st.st_rdev) == 0 and os.minor(st.st_rdev) == 0
     assert os.getxattr(dst / "dir", "trusted.overlay.opaque") == b"y"
+    assert os.getxattr(dst / "dir" / "f.txt", "user.e2b.origin") == b"sdk"

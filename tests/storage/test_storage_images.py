@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +17,9 @@ from agentenv import constants
 from agentenv.config import Settings
 from agentenv.errors import BadRequest, NotFound
 from agentenv.storage._util import mounts_under
-from agentenv.storage.images import BASE_PACKAGES, ImageBuildError, ImageStore, _DebootstrapProgress
+from agentenv.storage import nodejs
+from agentenv.storage.images import (BASE_PACKAGES, LEGACY_PRELOAD, ImageBuildError, ImageStore,
+                                     _DebootstrapProgress, remove_legacy_preload)
 
 from _storage_helpers import run_in_mount_ns
 
@@ -139,3 +143,57 @@ async def test_failed_build_is_removed_and_names_log(tmp_path: Path) -> None:
 def test_requested_packages_installed(store: ImageStore, base_rootfs: Path) -> None:
     installed = store.manifest("base")["packages"]
     assert [p for p in BASE_PACKAGES if p not in installed] == []
+
+
+def test_node_and_npm_in_the_image(store: ImageStore, base_rootfs: Path) -> None:
+    """Node.js >= 20 and npm from the pinned, integrity-checked tarballs (Debian 12 has only 18)."""
+    extras = store.manifest("base")["extras"]["nodejs"]
+    assert extras["node"] == nodejs.NODE_VERSION and extras["npm"] == nodejs.NPM_VERSION
+    out = subprocess.run(["chroot", str(base_rootfs), "/usr/local/bin/node", "-e", "console.log(process.version)"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert out == f"v{nodejs.NODE_VERSION}" and int(out[1:].split(".")[0]) >= 20
+    npm = subprocess.run([shutil.which("chroot"), str(base_rootfs), "/usr/local/bin/npm", "--version"], capture_output=True,
+                         text=True, timeout=60, check=True, env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/root"})
+    assert npm.stdout.strip() == nodejs.NPM_VERSION
+    assert (base_rootfs / "usr/local/include/node/node.h").is_file()  # native addons can build
+    assert not (base_rootfs / "etc/ld.so.preload").exists()
+
+
+async def test_cached_image_is_fixed_up_in_place(tmp_path: Path) -> None:
+    """An image from an older agentenv: the statx shim's preload line goes, Node.js comes, the revision
+    (and with it the microVM root-drive key) changes; other preload lines stay."""
+    from agentenv.storage.guest import root_key
+
+    rootfs = tmp_path / "images/base/rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "usr/local/bin").mkdir(parents=True)
+    (rootfs / "etc/ld.so.preload").write_text(f"/usr/lib/keep-me.so\n{LEGACY_PRELOAD}\n")
+    manifest = {"name": "base", "build_id": "b1", "created": "x"}
+    (rootfs.parent / "manifest.json").write_text(json.dumps(manifest))
+    key_before = root_key([rootfs])
+    progress: list[str] = []
+    store = ImageStore(Settings(data_dir=tmp_path))
+    assert await asyncio.wait_for(store.ensure_base(lambda m, f: progress.append(m)), 600) == rootfs
+    assert (rootfs / "etc/ld.so.preload").read_text() == "/usr/lib/keep-me.so\n"
+    assert nodejs.is_current(rootfs) and os.access(rootfs / "usr/local/bin/node", os.X_OK)
+    assert os.readlink(rootfs / "usr/local/bin/npm") == "../lib/node_modules/npm/bin/npm-cli.js"
+    assert any("Node.js" in m for m in progress), progress
+    m = json.loads((rootfs.parent / "manifest.json").read_text())
+    assert m["revision"] == 1 and m["extras"]["nodejs"]["node"] == nodejs.NODE_VERSION and m["build_id"] == "b1"
+    assert root_key([rootfs]) != key_before
+    # Up to date now: a second server start changes nothing.
+    await ImageStore(Settings(data_dir=tmp_path)).ensure_base()
+    assert json.loads((rootfs.parent / "manifest.json").read_text())["revision"] == 1
+    # Only our line is removed; a file left empty goes away.
+    (rootfs / "etc/ld.so.preload").write_text(LEGACY_PRELOAD + "\n")
+    assert remove_legacy_preload(rootfs) and not (rootfs / "etc/ld.so.preload").exists()
+    assert not remove_legacy_preload(rootfs)
+
+
+def test_node_tarball_must_match_its_pinned_integrity(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(nodejs, "NPM_INTEGRITY", "sha512-" + "A" * 86 + "==")
+    (tmp_path / "usr/local/bin").mkdir(parents=True)
+    with pytest.raises(nodejs.NodeInstallError, match="pinned integrity"):
+        nodejs.install(tmp_path, tmp_path / "cache", tmp_path / "log")
+    assert not (tmp_path / nodejs.MARKER).exists()
+    assert not (tmp_path / "usr/local/bin/node").exists()
