@@ -6,9 +6,11 @@ Usage (as root, from the repo):
     .venv/bin/python benchmarks/runsc_bench.py [--quick]
 
 Per configuration (binary x platform) it measures:
-  - syscall cost inside the container: a static C program (raw getppid, open+close, fork+exec of
-    /bin/true) and a Python loop of getppid, run with `runsc exec`; and `runsc exec /bin/true` itself;
-  - container start -> first TCP answer (overlay + netns slot + `runsc run` + python server answers);
+  - syscall cost inside the container: a static C program (getppid through syscall(2) and through
+    glibc's wrapper, open+close, fork+exec of /bin/true) and a Python loop of getppid, run with
+    `runsc exec`; and `runsc exec /bin/true` itself;
+  - container start -> first TCP answer (overlay + netns slot + `runsc run` + python server answers),
+    and -> envd's GET /health (when the test data dir has a tools layer);
   - checkpoint of an idle container and of one holding 200 MiB of random bytes: default (flate)
     vs `--compression=none`; restore -> first answer (uncompressed also with `restore --direct`);
     `checkpoint --leave-running` (source keeps answering);
@@ -46,7 +48,8 @@ from run import RAW_SERVER, Raw, hardware, loadavg, log, sandbox_pss_mb, sh, sta
 DATA_DIR = Path(os.environ.get("AGENTENV_RUNSC_BENCH_DIR", "/var/tmp/agentenv-bench-runsc"))
 INSTANCE = "rb"
 SUBNET = "10.221.0.0/16"
-BASE_ROOTFS = Path(os.environ.get("AGENTENV_TEST_DATA_DIR", "/var/tmp/agentenv-test")) / "images/base/rootfs"
+TEST_IMAGES = Path(os.environ.get("AGENTENV_TEST_DATA_DIR", "/var/tmp/agentenv-test")) / "images"
+BASE_ROOTFS = TEST_IMAGES / "base/rootfs"
 CACHE = Path("/var/cache/agentenv-bench")
 OLD_VERSION = "0.0~20221219.0-2+b3"
 RESULTS = REPO / "benchmarks" / "results"
@@ -65,9 +68,15 @@ SYSBENCH_C = r"""
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 int main(int argc, char **argv) {
     long n = atol(argv[1]), m = atol(argv[2]), f = atol(argv[3]);
+    /* syscall(2) loads the number from a register: systrap cannot patch that call site, so every
+       call takes the signal (SIGSYS) path. glibc's getppid() is "mov $110, %eax; syscall", which
+       systrap rewrites into a jump to its fast path after the first calls. */
     double t0 = now();
     for (long i = 0; i < n; i++) syscall(SYS_getppid);
-    double getppid = (now() - t0) / n;
+    double raw = (now() - t0) / n;
+    t0 = now();
+    for (long i = 0; i < n; i++) getppid();
+    double libc = (now() - t0) / n;
     t0 = now();
     for (long i = 0; i < m; i++) { int fd = open("/etc/hostname", O_RDONLY); if (fd >= 0) close(fd); }
     double openclose = (now() - t0) / m;
@@ -79,8 +88,8 @@ int main(int argc, char **argv) {
         if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) { fprintf(stderr, "child failed\n"); return 1; }
     }
     double forkexec = (now() - t0) / f;
-    printf("{\"getppid_us\": %.4f, \"open_close_us\": %.4f, \"fork_exec_ms\": %.4f}\n",
-           getppid * 1e6, openclose * 1e6, forkexec * 1e3);
+    printf("{\"getppid_us\": %.4f, \"getppid_libc_us\": %.4f, \"open_close_us\": %.4f, \"fork_exec_ms\": %.4f}\n",
+           raw * 1e6, libc * 1e6, openclose * 1e6, forkexec * 1e3);
     return 0;
 }
 """
@@ -191,7 +200,16 @@ class Rig(Raw):
         self.rootfs = RootfsManager(self.settings.paths)
         self.base = base.resolve()
         self.tools = root / "tools"
+        self.has_envd = False
+        if not self.tools.exists():
+            # A private hard-linked copy of the newest tools layer (envd + its Python), as run.py does.
+            layers = sorted((t for t in (TEST_IMAGES / "tools").glob("*") if (t / "bin").is_dir()),
+                            key=lambda t: t.stat().st_mtime)
+            root.mkdir(parents=True, exist_ok=True)
+            if layers:
+                subprocess.run(["cp", "-al", str(layers[-1]), str(self.tools)], check=True, timeout=120)
         (self.tools / "bin").mkdir(parents=True, exist_ok=True)
+        self.has_envd = (self.tools / "bin" / "python3").exists()
         self.runtimes = {
             c.name: GVisorRuntime(self.settings.model_copy(update={
                 "runsc_path": c.binary, "runsc_platform": c.platform, "data_dir": root / "rt" / c.name}))
@@ -230,16 +248,21 @@ class Rig(Raw):
         await self.net.setup_host()
 
     async def start(self, mem_mb: int = 0, envd: bool = False) -> tuple[str, dict]:
-        """overlay + slot + `runsc run` + first TCP answer of the python server."""
+        """overlay + slot + `runsc run` + first TCP answer of the python server (envd: GET /health)."""
+        from agentenv.orchestrator import envd_client
+
         sid = self.new_id()
         self.owner[sid] = self.rt
         t0 = time.monotonic()
         rootfs, slot = await self._prepare(sid)
         t1 = time.monotonic()
-        await self.rt.start(self.spec(sid, rootfs, slot, mem_mb))
+        await self.rt.start(self.spec(sid, rootfs, slot, mem_mb, envd=envd))
         t2 = time.monotonic()
         await self.net.activate(slot)
-        await self.wait_answer(slot.host_ip)
+        if envd:
+            await envd_client.wait_healthy(slot.host_ip)
+        else:
+            await self.wait_answer(slot.host_ip)
         t3 = time.monotonic()
         return sid, {"total": t3 - t0, "prepare": t1 - t0, "runsc_run": t2 - t1, "to_answer": t3 - t2}
 
@@ -324,7 +347,7 @@ def host_syscalls(sysbench: Path, reps: int) -> dict:
 
 
 def _syscall_stats(c: list[dict], py: list[float], execs: list[float]) -> dict:
-    out = {k: stats([s[k] for s in c]) for k in ("getppid_us", "open_close_us", "fork_exec_ms")}
+    out = {k: stats([s[k] for s in c]) for k in ("getppid_us", "getppid_libc_us", "open_close_us", "fork_exec_ms")}
     out["py_loop_100k_s"] = stats([x * 100_000 / PY_LOOP_N for x in py])
     if execs:
         out["runsc_exec_true_s"] = stats(execs)
@@ -390,20 +413,22 @@ def bench_syscalls(r: Runner, reps: int) -> None:
         r.res[cfg.name]["syscalls"] = _syscall_stats(c_s[cfg.name], py[cfg.name], ex[cfg.name])
 
 
-def bench_start(r: Runner, reps: int) -> None:
+def bench_start(r: Runner, reps: int, envd: bool = False) -> None:
+    """Start -> first answer of the python server, or (envd=True) of envd's GET /health."""
     phases: dict[str, list] = {c.name: [] for c in r.configs}
+    key = "start_envd" if envd else "start"
 
     async def one(cfg: Config) -> None:
-        sid, ph = await r.rig.start()
+        sid, ph = await r.rig.start(envd=envd)
         try:
             phases[cfg.name].append(ph)
         finally:
             await r.rig.destroy(sid)
     live = r.configs
     for _ in range(reps):
-        live = r.each("start", one, live)
+        live = r.each(key, one, live)
     for cfg in live:
-        r.res[cfg.name]["start"] = {k: stats([p[k] for p in phases[cfg.name]]) for k in ("total", "runsc_run", "to_answer")}
+        r.res[cfg.name][key] = {k: stats([p[k] for p in phases[cfg.name]]) for k in ("total", "runsc_run", "to_answer")}
 
 
 def du_mb(path: Path) -> float:
@@ -439,22 +464,25 @@ def bench_checkpoint_restore(r: Runner, mem_mb: int, reps: int, images: Path) ->
 
 
 def bench_leave_running(r: Runner, sids: dict[str, str], mem_mb: int, reps: int, images: Path) -> None:
-    cfgs = [c for c in r.configs if c.name in sids and not c.old]
-    ck: dict[str, list] = {c.name: [] for c in cfgs}
-    ans: dict[str, list] = {c.name: [] for c in cfgs}
+    """`checkpoint --leave-running` (flate and uncompressed): time, and how soon the source answers."""
+    for variant in ("flate", "none"):
+        flags = ["--leave-running", *VARIANTS[variant][0]]
+        cfgs = [c for c in r.configs if c.name in sids and not c.old]
+        ck: dict[str, list] = {c.name: [] for c in cfgs}
+        ans: dict[str, list] = {c.name: [] for c in cfgs}
 
-    async def one(cfg: Config) -> None:
-        sid = sids[cfg.name]
-        ck[cfg.name].append(await r.rig.checkpoint(sid, images / cfg.name / f"{mem_mb}-leave", ["--leave-running"]))
-        t0 = time.monotonic()
-        await r.rig.wait_answer(r.rig.live[sid].host_ip, timeout=15)
-        ans[cfg.name].append(time.monotonic() - t0)
-    for _ in range(reps):
-        cfgs = r.each(f"leave-running-{mem_mb}", one, cfgs)
-    for cfg in cfgs:
-        shutil.rmtree(images / cfg.name / f"{mem_mb}-leave", ignore_errors=True)
-        r.res[cfg.name]["cr"][str(mem_mb)]["leave_running"] = {
-            "checkpoint_s": stats(ck[cfg.name]), "source_answers_after_s": stats(ans[cfg.name])}
+        async def one(cfg: Config, flags: list[str] = flags) -> None:
+            sid = sids[cfg.name]
+            ck[cfg.name].append(await r.rig.checkpoint(sid, images / cfg.name / f"{mem_mb}-leave", flags))
+            t0 = time.monotonic()
+            await r.rig.wait_answer(r.rig.live[sid].host_ip, timeout=15)
+            ans[cfg.name].append(time.monotonic() - t0)
+        for _ in range(reps):
+            cfgs = r.each(f"leave-running-{mem_mb}-{variant}", one, cfgs)
+        for cfg in cfgs:
+            shutil.rmtree(images / cfg.name / f"{mem_mb}-leave", ignore_errors=True)
+            r.res[cfg.name]["cr"][str(mem_mb)][f"leave_running_{variant}"] = {
+                "checkpoint_s": stats(ck[cfg.name]), "source_answers_after_s": stats(ans[cfg.name])}
 
 
 async def parallel_restores(rig: Rig, img: Path, flags: list[str], n: int) -> dict:
@@ -472,7 +500,7 @@ async def parallel_restores(rig: Rig, img: Path, flags: list[str], n: int) -> di
 
 
 def bench_parallel(r: Runner, rounds: int, images: Path) -> None:
-    for variant in ("flate", "none+direct"):
+    for variant in VARIANTS:
         cfgs = [c for c in r.configs if not (c.old and variant != "flate")
                 and variant in r.res[c.name].get("cr", {}).get(str(HOLD_MIB), {})]
         runs: dict[str, list] = {c.name: [] for c in cfgs}
@@ -501,6 +529,9 @@ def bench_all(rig: Rig, configs: list[Config], quick: bool) -> dict:
         bench_syscalls(r, reps)
         log("start -> first answer")
         bench_start(r, reps)
+        if rig.has_envd:
+            log("start -> envd healthy")
+            bench_start(r, reps, envd=True)
         for mem in (0, HOLD_MIB):
             log(f"checkpoint/restore holding {mem} MiB")
             bench_checkpoint_restore(r, mem, reps, images)
@@ -544,16 +575,19 @@ def report(res: dict) -> str:
                 cells.append("–")
         lines.append(f"| {label} | {_cell(host_stat, scale, fmt) if host_stat else '–'} | " + " | ".join(cells) + " |")
 
-    row("getppid (raw syscall), µs", lambda r: r["syscalls"]["getppid_us"], fmt="{:.2f}",
+    row("getppid via syscall(2) (unpatchable site), µs", lambda r: r["syscalls"]["getppid_us"], fmt="{:.2f}",
         host_stat=host.get("getppid_us"))
+    row("getppid() of glibc (patchable site), µs", lambda r: r["syscalls"]["getppid_libc_us"], fmt="{:.2f}",
+        host_stat=host.get("getppid_libc_us"))
     row("open+close, µs", lambda r: r["syscalls"]["open_close_us"], fmt="{:.1f}", host_stat=host.get("open_close_us"))
     row("Python loop, 100k getppid, s", lambda r: r["syscalls"]["py_loop_100k_s"], fmt="{:.3f}",
         host_stat=host.get("py_loop_100k_s"))
     row("fork+exec of /bin/true, ms", lambda r: r["syscalls"]["fork_exec_ms"], fmt="{:.2f}",
         host_stat=host.get("fork_exec_ms"))
     row("`runsc exec /bin/true`, ms", lambda r: r["syscalls"]["runsc_exec_true_s"], 1e3, "{:.0f}")
-    row("start → first answer, s", lambda r: r["start"]["total"], fmt="{:.3f}")
+    row("start → first answer (python server), s", lambda r: r["start"]["total"], fmt="{:.3f}")
     row("  of which `runsc run`, s", lambda r: r["start"]["runsc_run"], fmt="{:.3f}")
+    row("start → envd `GET /health`, s", lambda r: r["start_envd"]["total"], fmt="{:.3f}")
     for mem in ("0", str(HOLD_MIB)):
         what = "idle" if mem == "0" else f"{HOLD_MIB} MiB"
         for v in VARIANTS:
@@ -561,11 +595,12 @@ def report(res: dict) -> str:
             row(f"restore → answer, {what}, {v}, s", lambda r, v=v, mem=mem: r["cr"][mem][v]["restore_to_answer_s"],
                 fmt="{:.3f}")
             row(f"image, {what}, {v}, MB", lambda r, v=v, mem=mem: r["cr"][mem][v]["image_MB"], fmt="{:.1f}")
-        row(f"checkpoint --leave-running, {what}, s", lambda r, mem=mem: r["cr"][mem]["leave_running"]["checkpoint_s"],
-            fmt="{:.3f}")
-        row(f"  source answers after, {what}, s",
-            lambda r, mem=mem: r["cr"][mem]["leave_running"]["source_answers_after_s"], fmt="{:.3f}")
-    for v in ("flate", "none+direct"):
+        for v in ("flate", "none"):
+            row(f"checkpoint --leave-running, {what}, {v}, s",
+                lambda r, mem=mem, v=v: r["cr"][mem][f"leave_running_{v}"]["checkpoint_s"], fmt="{:.3f}")
+            row(f"  source answers after, {what}, {v}, s",
+                lambda r, mem=mem, v=v: r["cr"][mem][f"leave_running_{v}"]["source_answers_after_s"], fmt="{:.3f}")
+    for v in VARIANTS:
         row(f"{PARALLEL} parallel restores ({HOLD_MIB} MiB, {v}) all answering, s",
             lambda r, v=v: r["parallel"][v]["all_answer_s"], fmt="{:.2f}")
     notes = []
@@ -594,7 +629,7 @@ def leftovers(root: Path) -> dict:
               if ln.split()[4].startswith(str(root))]
     netns = [n for n in os.listdir("/run/netns")] if os.path.isdir("/run/netns") else []
     ours = [n for n in netns if n.startswith(f"agentenv-{INSTANCE}-")]
-    cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/agentenv/rbx{os.getpid() % 100000:05d}*")]
+    cgroups = [str(p) for p in Path("/sys/fs/cgroup").glob("*/agentenv/rbx*")]
     table = sh(["nft", "list", "table", "ip", f"agentenv-{INSTANCE}"]).returncode == 0
     return {"mounts": mounts, "netns": ours, "cgroups": cgroups, "nft_table": table}
 

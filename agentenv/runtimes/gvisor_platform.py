@@ -3,8 +3,10 @@
 `auto` prefers, in order:
   kvm      only where /dev/kvm opens *and* the CPU has VT-x/AMD-V (on PVM hosts, whose /dev/kvm is
            software KVM, gVisor's kvm platform hangs at boot: measured, 20221219 and 20240729);
-  systrap  where the runsc release has it (2023 and newer): ~13x cheaper syscalls than ptrace here
-           (benchmarks/runsc_bench.py, docs/benchmarks.md);
+  systrap  where the runsc release has it (2023 and newer). Measured here (runsc 20240729, 2 cores;
+           benchmarks/runsc_bench.py, docs/benchmarks.md): syscalls 11x (syscall(2) sites) to 74x
+           (glibc wrappers, which systrap patches) cheaper than ptrace, open+close 21x, a Python
+           loop 30x; fork+exec is ~3x dearer (14 vs 4.7 ms), envd starts 13 % faster;
   ptrace   everywhere else.
 A platform counts only once a probe ran a real process under it:
 `runsc do -cwd / /bin/sh -c 'echo <marker>; exit 3'` must print the marker and exit 3
@@ -254,6 +256,7 @@ def _why(platform: str, probed: dict[str, str]) -> str:
     if platform == "kvm":
         return "hardware virtualization and the kvm probe works (fastest platform)"
     if platform == "systrap":
-        return f"systrap works (syscalls ~13x cheaper than ptrace); kvm: {probed.get('kvm', 'not probed')}"
+        return ("systrap works (measured: syscalls 11-74x cheaper than ptrace, fork+exec ~3x dearer); "
+                f"kvm: {probed.get('kvm', 'not probed')}")
     return (f"fallback: systrap: {probed.get('systrap', 'not probed')}; "
             f"kvm: {probed.get('kvm', 'not probed')}")
