@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 
@@ -47,7 +47,15 @@ class Settings(BaseSettings):
     # Firecracker binary (default: scripts/install-firecracker.sh's /usr/local/lib/agentenv/firecracker, then $PATH).
     firecracker_path: str | None = None
     runsc_path: str = "runsc"
-    runsc_platform: str = "ptrace"
+    # gVisor platform: "auto" probes this host once (kvm where hardware virtualization works, else
+    # systrap, else ptrace; cached per runsc binary and kernel), or an explicit platform, which must
+    # work. Env: AGENTENV_RUNSC_PLATFORM or AGENTENV_GVISOR_PLATFORM.
+    runsc_platform: str = Field(default="auto", pattern=r"^(auto|systrap|ptrace|kvm)$",
+                                validation_alias=AliasChoices("AGENTENV_GVISOR_PLATFORM", "AGENTENV_RUNSC_PLATFORM",
+                                                              "runsc_platform"))
+    # gVisor checkpoint image compression: "none" (measured faster to write and to restore; see
+    # docs/benchmarks.md) or "flate-best-speed" (smaller images to upload).
+    runsc_compression: str = Field(default="none", pattern=r"^(none|flate-best-speed)$")
     # QEMU runtime: binary, machine type (microvm, or q35 where microvm misbehaves) and accelerator
     # ("auto" = KVM on hardware virtualization, TCG otherwise; never PVM, which cannot run the guest).
     qemu_path: str = "qemu-system-x86_64"
@@ -82,9 +90,6 @@ class Settings(BaseSettings):
     # Create sandboxes by restoring a pre-booted, checkpointed sandbox of the template (about 2x
     # faster than booting); built in the background at start, cold boot until it is ready.
     warm_start: bool = True
-    # How long pause/fork/snapshot wait for TCP connections inside a sandbox to close before
-    # refusing with 409 (old gVisor cannot checkpoint them; TIME_WAIT lasts 60 s).
-    capture_drain_s: float = 30.0
     # Ready-made templates the server builds at start (in the background) when missing or stale,
     # comma-separated: "code-interpreter" (aliases code-interpreter-v1, the SDK's default).
     builtin_templates: str = ""

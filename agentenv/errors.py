@@ -69,6 +69,12 @@ class RuntimeFailure(AgentEnvError):
     status = 500
 
 
+class CaptureRefused(RuntimeFailure):
+    """The runtime could not checkpoint a sandbox, and the sandbox runs on unchanged: retry later."""
+
+    status = 503
+
+
 def sandbox_not_found(sandbox_id: str) -> NotFound:
     """The exact 404 the E2B API gives for unknown, killed or foreign sandboxes."""
     return NotFound(f"Sandbox \"{sandbox_id}\" doesn't exist or you don't have access to it")

@@ -68,10 +68,44 @@ SYSTEM_PKGS=(debootstrap iproute2 nftables iptables util-linux procps psmisc ca-
 # The QEMU microVM runtime: the VMM, qcow2 tools, and what builds the guest image (mkfs.ext4 -d,
 # lz4 to unpack the kernel; the kernel and busybox-static themselves come via `apt-get download`).
 SYSTEM_PKGS+=(qemu-system-x86 qemu-utils e2fsprogs lz4)
-# runsc: the Debian/Ubuntu package, unless a runsc binary is already installed
-# (e.g. from gVisor's releases on production hosts).
-if ! command -v runsc >/dev/null 2>&1; then
-  SYSTEM_PKGS+=(runsc)
+# runsc: gVisor 20240729 or newer (systrap platform, checkpoints of epoll servers and of
+# sandboxes holding TCP connections, --leave-running; see docs/runtimes.md). On Debian 12 it comes
+# from bookworm-backports with only `runsc` pinned to that suite (agentenv_runsc_source); on Debian 13
+# and Ubuntu from the distribution. An operator's own runsc (gVisor releases, not from dpkg) is kept.
+RUNSC_MIN=20240729
+runsc_date() { "${1:-runsc}" --version 2>/dev/null | grep -o '20[0-9]\{6\}' | head -n1; }
+agentenv_runsc_source() {
+  # Debian 12: enable bookworm-backports (component main) and pin only runsc to it.
+  . /etc/os-release 2>/dev/null || return 0
+  [ "${ID:-}" = "debian" ] && [ "${VERSION_CODENAME:-}" = "bookworm" ] || return 0
+  local src=/etc/apt/sources.list.d/agentenv-backports.sources pin=/etc/apt/preferences.d/agentenv-runsc
+  if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    log "enabling bookworm-backports (for runsc only) in $src"
+    printf '%s\n' 'Types: deb' 'URIs: http://deb.debian.org/debian' 'Suites: bookworm-backports' \
+      'Components: main' 'Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg' > "$src"
+    APT_UPDATED=0
+  fi
+  local want
+  want="$(printf '%s\n' '# agentenv: only runsc comes from bookworm-backports (gVisor 20240729, systrap).' \
+    'Package: runsc' 'Pin: release n=bookworm-backports' 'Pin-Priority: 990')"
+  if [ "$(cat "$pin" 2>/dev/null)" != "$want" ]; then
+    printf '%s\n' "$want" > "$pin"
+    APT_UPDATED=0
+  fi
+}
+if ! command -v runsc >/dev/null 2>&1 || pkg_installed runsc; then
+  have="$(runsc_date 2>/dev/null || true)"
+  if [ -z "$have" ] || [ "$have" -lt "$RUNSC_MIN" ]; then
+    agentenv_runsc_source
+    if pkg_installed runsc; then
+      # An old Debian runsc is installed: upgrade it to the pinned candidate.
+      [ "$APT_UPDATED" -eq 1 ] || { log "apt-get update"; $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -q; APT_UPDATED=1; }
+      log "upgrading runsc ($have) to gVisor >= $RUNSC_MIN"
+      $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends runsc
+    else
+      SYSTEM_PKGS+=(runsc)
+    fi
+  fi
 fi
 # Node.js/npm always: the web console's libraries come from npm (agentenv/console/package.json), and
 # `npm pack` fetches the base image's pinned Node.js (agentenv/storage/nodejs.py).
@@ -95,6 +129,11 @@ if [ "$WITH_TEST" -eq 1 ]; then
 fi
 apt_install "${SYSTEM_PKGS[@]}"
 command -v runsc >/dev/null 2>&1 || die "runsc (gVisor) is not installed and could not be installed"
+have="$(runsc_date "$(command -v runsc)" || true)"
+if [ -z "$have" ] || [ "$have" -lt "$RUNSC_MIN" ]; then
+  log "WARNING: runsc $(command -v runsc) is release ${have:-unknown}; agentenv needs $RUNSC_MIN or newer" \
+      "(install gVisor's release, or enable your distribution's newer runsc); 'agentenv doctor' says more"
+fi
 
 # --- Python >= 3.11 ----------------------------------------------------------
 py_ok() {

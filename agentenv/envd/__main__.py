@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import selectors
 import sys
 
 from agentenv.constants import ENVD_PORT
@@ -33,12 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:  # e.g. older gVisor; inside a sandbox envd is PID 1 anyway
             logging.getLogger("agentenv.envd").warning("cannot become a child subreaper: %s", exc)
 
-    # poll(2), not epoll: gVisor (at least through its 2022 releases) refuses to checkpoint a TCP
-    # listener that still has waiters, and an epoll registration is a waiter that outlives every
-    # syscall. poll() registers waiters only while a task is blocked in it, and a checkpoint
-    # interrupts that. envd watches a handful of fds, so poll costs nothing here.
-    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selectors.PollSelector())) as runner:
-        runner.run(serve(args.host, args.port))
+    # The default event loop (epoll): runsc >= 20240729 checkpoints epoll listeners.
+    asyncio.run(serve(args.host, args.port))
     return 0
 
 

@@ -112,50 +112,6 @@ add rule {t} postrouting iifname {w} oifname != {w} masquerade
 """
 
 
-# gVisor keeps a TCP endpoint in TIME_WAIT for 60 s after a close the guest initiated.
-GUEST_TIME_WAIT_S = 60
-# conntrack states in which the guest still holds a TCP endpoint (checkpoints fail on those).
-_GUEST_HOLDS = {"SYN_SENT", "SYN_SENT2", "SYN_RECV", "ESTABLISHED", "FIN_WAIT", "CLOSE_WAIT", "LAST_ACK"}
-_CT_LINE = re.compile(r"\btcp\s+6\s+(?P<timeout>\d+)\s+(?P<state>[A-Z_0-9]+)\s+src=(?P<src>\S+)\s+dst=(?P<dst>\S+)"
-                      r"\s+sport=(?P<sport>\d+)\s+dport=(?P<dport>\d+).*?\bmark=(?P<mark>\d+)")
-# ct mark bits set by the `closers` chain
-_GUEST_FIN = 0x1           # the guest sent a FIN
-_REMOTE_FIN_FIRST = 0x2    # the other side's FIN passed before any FIN of the guest
-
-
-def parse_conntrack(text: str) -> list[dict]:
-    """TCP flows from /proc/net/nf_conntrack, with what the `closers` ct mark bits say."""
-    flows = []
-    for line in text.splitlines():
-        m = _CT_LINE.search(line)
-        if m:
-            mark = int(m["mark"])
-            inbound = m["dst"] != constants.GUEST_IP and m["src"] != constants.GUEST_IP  # host -> slot DNAT
-            flows.append({"state": m["state"], "seconds_left": int(m["timeout"]),
-                          "flow": f"{m['src']}:{m['sport']}->{m['dst']}:{m['dport']}",
-                          "guest_fin": bool(mark & _GUEST_FIN),
-                          "remote_fin_first": bool(mark & _REMOTE_FIN_FIRST),
-                          "envd_inbound": inbound and m["dport"] == str(constants.ENVD_PORT)})
-    return flows
-
-
-def guest_blocking(flows: list[dict]) -> list[dict]:
-    """Flows for which the guest's TCP stack may still hold an endpoint (a gVisor checkpoint would fail).
-
-    TIME_WAIT belongs to whoever closed first, and in a simultaneous close (an HTTP/1.0 server and
-    our proxy closing at once) to both — while the netns may see either FIN first. So a guest that
-    sent any FIN is presumed to be in TIME_WAIT, except on envd's port: envd never closes first.
-    Over-blocking costs a Retry-After; under-blocking would cost the sandbox.
-    """
-    out = []
-    for f in flows:
-        if f["state"] in _GUEST_HOLDS:
-            out.append(f)
-        elif f["state"] == "TIME_WAIT" and f["guest_fin"] and not (f["remote_fin_first"] and f["envd_inbound"]):
-            out.append(f)
-    return out
-
-
 def _netns_ruleset(host_ip: str, policy: EgressPolicy, platform: tuple[list[str], list[str], list[str]]) -> str:
     """The whole nft table of one slot's netns, replaced atomically (also by a live policy change).
 
@@ -165,7 +121,7 @@ def _netns_ruleset(host_ip: str, policy: EgressPolicy, platform: tuple[list[str]
     allowOut CIDRs win over its denyOut CIDRs, then the rest is allowed. With domain rules, TCP to a
     denied destination is redirected to the egress proxy listening in this netns (`egress_nat`);
     the proxy's own upstream connections leave from this netns and pass the platform checks in
-    `output`. `closers` marks who sent the first FIN on every guest flow, forwarded or proxied.
+    `output`.
     """
     g = constants.GUEST_IP
     hard, plat, opened = platform
@@ -195,16 +151,6 @@ table ip agentenv {{
   }}
   chain from_guest {{ type nat hook postrouting priority srcnat; policy accept;
     oifname "{NS_HOST_LINK}" ip saddr {g} masquerade
-  }}
-  chain closers {{ type filter hook forward priority -5; policy accept;
-    iifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark set ct mark | 0x1
-    oifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark & 0x1 == 0x0 ct mark set ct mark | 0x2
-  }}
-  chain closers_in {{ type filter hook input priority -5; policy accept;
-    iifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark set ct mark | 0x1
-  }}
-  chain closers_out {{ type filter hook output priority -5; policy accept;
-    oifname "{GATEWAY_LINK}" tcp flags & fin == fin ct mark & 0x1 == 0x0 ct mark set ct mark | 0x2
   }}
   chain forward_guest {{ type filter hook forward priority filter; policy drop;
     iifname "{NS_HOST_LINK}" oifname "{GATEWAY_LINK}" ip daddr {g} accept
@@ -241,8 +187,6 @@ _NETNS_SETUP_SH = (
     "echo 1 > /proc/sys/net/ipv4/ip_forward && "
     "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 && "
     "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
-    # conntrack's TIME_WAIT mirrors gVisor's 60 s one (see NetworkManager.blocking_flows)
-    f"echo {GUEST_TIME_WAIT_S + 1} > /proc/sys/net/netfilter/nf_conntrack_tcp_timeout_time_wait && "
     "exec nft -f -"
 )
 
@@ -487,23 +431,6 @@ class NetworkManager:
             # runsc stripped eth0's address (and with it the guest default route); the netns kernel
             # now routes everything that is not the guest /30 back to the host.
             await ns.route("replace", dst="0.0.0.0/0", gateway=slot.peer_ip, oif=host0)
-
-    async def blocking_flows(self, slot: NetSlot) -> list[dict]:
-        """TCP flows through the slot for which the guest still holds an endpoint.
-
-        gVisor's own /proc/net/tcp does not show TIME_WAIT endpoints (they have no socket any more),
-        but every guest connection crosses this netns: conntrack sees it, and the `closers` chain
-        marks which side sent the first FIN. A guest that closed first sits in TIME_WAIT for 60 s;
-        conntrack's TIME_WAIT timeout is set to match, so its countdown says when it is gone.
-        """
-        res = await run_cmd(["ip", "netns", "exec", slot.netns, "cat", "/proc/net/nf_conntrack"],
-                            timeout=CMD_TIMEOUT, check=False, what="read conntrack")
-        if res.returncode != 0:
-            raise RuntimeFailure(f"cannot read conntrack of {slot.netns}: {res.stderr.strip()[-300:]}")
-        # The egress proxy's upstream connections leave from the netns itself (source host_ip):
-        # the guest holds no endpoint for them (its side is the redirected flow, listed on its own).
-        own = f"{slot.host_ip}:"
-        return guest_blocking([f for f in parse_conntrack(res.stdout) if not f["flow"].startswith(own)])
 
     async def deactivate(self, slot: NetSlot) -> None:
         """Undo activate() so the slot can take another runsc run/restore (e.g. a checkpointed

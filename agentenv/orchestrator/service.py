@@ -31,8 +31,8 @@ from pathlib import Path
 
 from agentenv.config import Settings
 from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
-from agentenv.errors import (AgentEnvError, BadRequest, Conflict, NotFound, RuntimeFailure, TooManyRequests, Unavailable,
-                             sandbox_not_found)
+from agentenv.errors import (AgentEnvError, BadRequest, CaptureRefused, Conflict, NotFound, RuntimeFailure,
+                             TooManyRequests, Unavailable, sandbox_not_found)
 from agentenv.models import (SandboxRecord, SandboxState, SnapshotRecord, TemplateBuildRecord, TemplateRecord,
                              utcnow)
 from agentenv.network.policy import EGRESS_FIELDS, EgressPolicy, parse_policy
@@ -243,6 +243,13 @@ class Orchestrator:
                 log.warning("sandbox %s runs under %s, which this node no longer serves", rec.sandbox_id, rec.runtime)
             alive = rec.state == SandboxState.RUNNING and slot is not None and rt is not None \
                 and await rt.is_alive(rec.sandbox_id)
+            if alive and getattr(rt, "name", "") == "gvisor" and await rt.state(rec.sandbox_id) == "paused":
+                # frozen by a capture the old process did not finish: the sandbox runs on
+                log.warning("sandbox %s was frozen by an interrupted capture; thawing it", rec.sandbox_id)
+                await rt.resume(rec.sandbox_id)
+            if not alive and rec.state == SandboxState.RUNNING and await self._recover_capture(rec):
+                keep.add(rec.sandbox_id)
+                continue
             if alive:
                 self._records[rec.sandbox_id] = rec
                 self._runtime_of[rec.sandbox_id] = rec.runtime
@@ -267,6 +274,39 @@ class Orchestrator:
         for sid, rec in self._records.items():
             if rec.state == SandboxState.PAUSED:
                 await self.rootfs.unmount(sid)
+
+    async def _recover_capture(self, rec: SandboxRecord) -> bool:
+        """A server killed mid-capture left the source stopped with a complete image (its journal):
+        keep it as a paused sandbox with that image. True if it was recovered."""
+        sid = rec.sandbox_id
+        try:
+            journal = json.loads(self._capture_journal(sid).read_text())
+        except (OSError, ValueError):
+            return False
+        ckpt = self._checkpoint_dir(sid)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        try:
+            if journal.get("memory"):
+                await asyncio.to_thread(shutil.copytree, self.artifacts.memory_dir(journal["memory"]), ckpt,
+                                        copy_function=os.link)
+            elif journal.get("image") and Path(journal["image"]).is_dir():
+                os.replace(journal["image"], ckpt)
+            else:
+                return False
+        except OSError as e:
+            log.error("could not recover the interrupted capture of %s: %s", sid, e)
+            return False
+        rec.layers = list(journal.get("layers") or rec.layers)
+        rec.state, rec.pause_mode, rec.slot = SandboxState.PAUSED, "full", None
+        await self._stop_quietly(sid)
+        slot = self.network.slot_for(sid)
+        if slot is not None:
+            await self.network.release(slot)
+        self._capture_journal(sid).unlink(missing_ok=True)
+        await self.store.put_sandbox(rec)
+        self._records[sid] = rec
+        log.warning("sandbox %s: its capture was interrupted by a restart; it is paused with its full state", sid)
+        return True
 
     async def gc(self, keep: set[str]) -> dict[str, list[str]]:
         """Remove every container, netns, mount and sandbox dir of this data dir not in `keep`."""
@@ -580,8 +620,7 @@ class Orchestrator:
             await self.network.activate(slot)
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(sid),
                                            timeout=getattr(rt, "envd_timeout", 60.0))
-            await self._drain_connections(rec)
-            await rt.checkpoint(sid, image)
+            await self._checkpoint(rec, image)
             await self.rootfs.unmount(sid)
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
             mem = await self.artifacts.seal_memory(image)
@@ -753,7 +792,7 @@ class Orchestrator:
     async def _quiesce(self, sandbox_id: str) -> None:
         """Close every host-side connection into the sandbox (the proxy's pool, streams).
 
-        Before a checkpoint, `_drain_connections` then waits until the sandbox's side is closed too.
+        Before a checkpoint the runtime resets what the sandbox still holds (`_checkpoint`).
         """
         for cb in self.on_before_stop:
             try:
@@ -761,62 +800,45 @@ class Orchestrator:
             except Exception:  # noqa: BLE001
                 log.exception("before-stop hook failed for %s", sandbox_id)
 
-    async def _blocking_connections(self, rec: SandboxRecord, slot: NetSlot) -> list[dict]:
-        """TCP endpoints inside the sandbox that would make a checkpoint fail.
+    async def _holds_connections(self, rec: SandboxRecord) -> bool:
+        """Whether programs in the sandbox hold TCP connections (envd's view of its /proc/net/tcp).
 
-        Two views: conntrack in the slot's netns (every connection that leaves the sandbox,
-        including TIME_WAIT, which gVisor's /proc hides) and envd's /proc/net/tcp (loopback
-        connections inside the sandbox, which never cross the netns).
-        """
-        busy = [{"what": f["flow"], "state": f["state"], "seconds_left": f["seconds_left"]
-                 if f["state"] == "TIME_WAIT" else None} for f in await self.network.blocking_flows(slot)]
-        try:
-            inside = await envd_client.blocking_connections(slot.host_ip, host_token=self._host_token)
-        except Exception as e:  # noqa: BLE001 - envd unreachable: conntrack is still authoritative
-            log.warning("envd connection check of %s failed: %s", rec.sandbox_id, e)
-            inside = []
-        busy += [{"what": f"{c['local']}->{c['remote']}", "state": c["state"], "seconds_left": None}
-                 for c in inside if c["local"].startswith(("127.", "::1")) or c["remote"].startswith(("127.", "::1"))]
-        return busy
-
-    async def _drain_connections(self, rec: SandboxRecord, budget: float | None = None) -> None:
-        """Before a checkpoint: wait until the sandbox holds no TCP endpoint but listeners.
-
-        gVisor (2022 releases) refuses to checkpoint otherwise, and the refusal kills the sandbox.
-        Closing states clear by themselves (TIME_WAIT within 60 s of a close the sandbox made):
-        wait for them when that fits in `capture_drain_s`; a live connection of a user process
-        gets a short grace. Otherwise refuse with a 409 — the sandbox keeps running untouched.
+        gVisor resets them at a checkpoint (`--net-disconnect-ok`); the runtime resets them first,
+        while the sandbox runs, so event-loop servers see the reset as an ordinary one. Any doubt
+        (envd unreachable) counts as yes: that costs one extra checkpoint, never the sandbox.
         """
         slot = self._slots.get(rec.sandbox_id)
-        if slot is None or getattr(self.runtime_for(rec.sandbox_id), "keeps_tcp_across_checkpoint", False):
-            return  # (a VM's checkpoint saves its TCP connections with the rest of the guest kernel)
-        start = time.monotonic()
-        deadline = start + (self.settings.capture_drain_s if budget is None else budget)
-        delay = 0.05
-        while True:
-            busy = await self._blocking_connections(rec, slot)
-            if not busy:
-                await asyncio.sleep(0.05)  # our own check connection to envd finishes closing
-                return
-            now = time.monotonic()
-            live = any(b["state"] in ("ESTABLISHED", "SYN_SENT", "SYN_SENT2", "SYN_RECV") for b in busy)
-            longest = max((b["seconds_left"] or 0) for b in busy)
-            hopeless = (live and now >= start + 3.0) or (not live and now + longest > deadline + 1)
-            if now >= deadline or hopeless:
-                shown = ", ".join(f"{b['what']} {b['state']}" for b in busy[:5])
-                more = f" and {len(busy) - 5} more" if len(busy) > 5 else ""
-                hint = (f"retry in {longest + 1} s, when they have timed out" if not live
-                        else "close them (they belong to processes in the sandbox) and retry")
-                log.info("refusing to checkpoint %s: %d TCP endpoints (%s)", rec.sandbox_id, len(busy), shown)
-                # 503 + Retry-After: the SDKs wait and retry by themselves when it fits their deadline.
-                headers = ({"Retry-After": str(longest + 1), "Should-Retry": "true"} if not live
-                           else {"Should-Retry": "false"})
-                raise Unavailable(
-                    f"Sandbox {rec.sandbox_id} has open TCP connections ({shown}{more}); this gVisor release "
-                    f"cannot save a sandbox's memory while they exist: {hint}",
-                    error_code="sandbox_has_open_connections", headers=headers)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+        if slot is None:
+            return False
+        try:
+            conns = await envd_client.blocking_connections(slot.host_ip, host_token=self._host_token)
+        except Exception as e:  # noqa: BLE001
+            log.warning("envd connection check of %s failed: %s", rec.sandbox_id, e)
+            return True
+        return any(c["state"] != "TIME_WAIT" for c in conns)
+
+    async def _checkpoint(self, rec: SandboxRecord, image_dir: Path) -> None:
+        """Checkpoint a running sandbox into `image_dir` and stop it; never loses it.
+
+        If the runtime cannot take the image and the sandbox still runs, raise Unavailable (503)
+        with the reason: nothing happened. Only a sandbox that died on the way is lost.
+        """
+        sid = rec.sandbox_id
+        rt = self.runtime_for(sid)
+        await self._quiesce(sid)
+        kwargs = {}
+        if getattr(rt, "modern", False):  # gVisor >= 20240729 (VMs save TCP state with the guest kernel)
+            kwargs["reset_connections"] = await self._holds_connections(rec)
+        try:
+            await rt.checkpoint(sid, image_dir, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(image_dir, ignore_errors=True)
+            if isinstance(e, CaptureRefused) or await rt.is_alive(sid):
+                msg = e.message if isinstance(e, AgentEnvError) else str(e)
+                log.warning("checkpoint of %s refused, sandbox untouched: %s", sid, msg)
+                raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
+                                  headers={"Retry-After": "5"}) from e
+            raise await self._lose(rec, e) from e
 
     async def kill_sandbox(self, sandbox_id: str, *, team_id: str | None) -> None:
         self._get_live(sandbox_id, team_id)
@@ -927,18 +949,19 @@ class Orchestrator:
             rec.state = transient
             ckpt = self._checkpoint_dir(sandbox_id)
             shutil.rmtree(ckpt, ignore_errors=True)
-            await self._quiesce(sandbox_id)
-            if memory:
-                try:
-                    await self._drain_connections(rec)
-                except Unavailable:
-                    rec.state = SandboxState.RUNNING
-                    raise
             try:
                 if memory:
-                    await self.runtime_for(sandbox_id).checkpoint(sandbox_id, ckpt)
+                    await self._checkpoint(rec, ckpt)
                 else:
+                    await self._quiesce(sandbox_id)
                     await self.runtime_for(sandbox_id).stop(sandbox_id)
+            except Unavailable:
+                rec.state = SandboxState.RUNNING
+                raise
+            except AgentEnvError as e:
+                if e.error_code == "sandbox_lost":
+                    raise
+                raise await self._lose(rec, e) from e
             except Exception as e:  # noqa: BLE001
                 raise await self._lose(rec, e) from e
             await self._release_slot(sandbox_id)
@@ -947,7 +970,7 @@ class Orchestrator:
                 try:
                     await self._publish_paused(rec, ckpt if memory else None)
                 except Exception as e:  # noqa: BLE001
-                    raise await self._lose(rec, e) from e
+                    await self._unpause_after_failed_publish(rec, e)
             rec.state = final
             rec.pause_mode = "full" if memory else "filesystem"
             await self.store.put_sandbox(rec)
@@ -961,6 +984,24 @@ class Orchestrator:
         if ckpt is not None:
             rec.memory_digest = await self.artifacts.seal_memory(ckpt)
         await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
+
+    async def _unpause_after_failed_publish(self, rec: SandboxRecord, why: Exception) -> None:
+        """Publishing a pause failed (snapshot store down): bring the sandbox back from its local
+        image and answer 503; if even that fails it stays paused with its full state on this node."""
+        sid = rec.sandbox_id
+        log.error("publishing the pause of %s failed (%s); resuming it", sid, why)
+        rec.state, rec.pause_mode = SandboxState.PAUSED, "full"
+        try:
+            # its own remaining time (at least 10 s: an expired autoPause sandbox retries the pause)
+            await self._resume_admitted(rec, max(10, int((rec.end_at - utcnow()).total_seconds())))
+        except Exception as e:  # noqa: BLE001
+            rec.state, rec.pause_mode = SandboxState.PAUSED, "full"
+            await self.store.put_sandbox(rec)
+            raise RuntimeFailure(f"Sandbox {sid} is paused on this node only (its state could not be "
+                                 f"published: {why}; resuming it failed: {e})", error_code="publish_failed") from e
+        raise Unavailable(f"Sandbox {sid} was not paused: the snapshot store is unreachable ({why}); "
+                          "it keeps running", error_code="snapshot_store_unavailable",
+                          headers={"Retry-After": "5"}) from why
 
     async def _drop_paused_memory(self, rec: SandboxRecord) -> None:
         """A published pause image is used once: after the resume (or kill) it goes from the store."""
@@ -1069,28 +1110,43 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ capture (fork, snapshot)
 
+    def _capture_journal(self, sandbox_id: str) -> Path:
+        return self.paths.sandbox_dir(sandbox_id) / "capture.json"
+
+    def _journal(self, rec: SandboxRecord, **state: object) -> None:
+        """Where a capture stands, so a server killed half-way finds the source's state (`_reconcile`)."""
+        path = self._capture_journal(rec.sandbox_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"layers": rec.layers, **state}))
+        os.replace(tmp, path)
+
     async def _capture(self, rec: SandboxRecord) -> str:
         """Checkpoint a running sandbox, seal its upper into a layer, restore it in place.
 
         Returns the memory artifact's digest. The caller holds the sandbox's lock and has set its
-        transient state. On any failure the source is lost (a failed gVisor checkpoint kills it).
+        transient state. A checkpoint the runtime refuses leaves the source running (Unavailable);
+        once the checkpoint exists the source is never lost: if bringing it back fails it is parked
+        as a paused sandbox with its full state (`_park`).
         """
         sid = rec.sandbox_id
         tmp_image = self.paths.sandbox_dir(sid) / "capture"
         shutil.rmtree(tmp_image, ignore_errors=True)
         slot = self._slots[sid]
         t0 = time.monotonic()
-        await self._quiesce(sid)
-        await self._drain_connections(rec)  # Unavailable: nothing happened, the caller resets the state
+        await self._checkpoint(rec, tmp_image)  # Unavailable: nothing happened, the caller resets the state
+        t_ckpt = time.monotonic() - t0
+        mem: str | None = None
         try:
-            await self.runtime_for(sid).checkpoint(sid, tmp_image)
-            t_ckpt = time.monotonic() - t0
+            self._journal(rec, image=str(tmp_image))
             await self.rootfs.unmount(sid, keep_disk=True)  # the upper is sealed from the disk image
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
             if layer:
                 rec.layers = [layer] + rec.layers
+                self._journal(rec, image=str(tmp_image))
+                await self.store.put_sandbox(rec)
             mem = await self.artifacts.seal_memory(tmp_image)
             self._pin(mem)
+            self._journal(rec, memory=mem)
             t_seal = time.monotonic() - t0 - t_ckpt
             # Same id, same slot (guest addressing is identical anyway), fresh upper on the new chain.
             await self.network.deactivate(slot)
@@ -1099,9 +1155,46 @@ class Orchestrator:
             log.info("captured %s: checkpoint %.3fs, seal %.3fs, source back after %.3fs (layer %s)", sid,
                      t_ckpt, t_seal, time.monotonic() - t0, layer[:12] if layer else "-")
         except Exception as e:  # noqa: BLE001
-            raise await self._lose(rec, e) from e
+            if mem is not None:
+                self._unpin_memory(mem)
+            raise await self._park(rec, tmp_image, mem, e) from e
+        finally:
+            self._capture_journal(sid).unlink(missing_ok=True)
         await self.store.put_sandbox(rec)
         return mem
+
+    async def _park(self, rec: SandboxRecord, image: Path, mem: str | None, why: Exception) -> AgentEnvError:
+        """The source was checkpointed but could not be brought back: keep it as a paused sandbox with
+        that image (its memory, processes and files), resumable like any pause. Never LOST."""
+        sid = rec.sandbox_id
+        log.error("sandbox %s could not be restored after its capture (%s); parking it paused", sid, why)
+        self._keep_logs(sid, "capture")
+        await asyncio.shield(self._stop_quietly(sid))
+        await self._release_slot(sid)
+        try:
+            await self.rootfs.unmount(sid)
+        except Exception:  # noqa: BLE001
+            log.exception("unmount of %s failed", sid)
+        ckpt = self._checkpoint_dir(sid)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        try:
+            if mem is not None:  # the sealed image stays in the artifact cache: link a copy as the pause
+                await asyncio.to_thread(shutil.copytree, self.artifacts.memory_dir(mem), ckpt,
+                                        copy_function=os.link)
+            else:
+                os.replace(image, ckpt)
+        except OSError as e:
+            raise await self._lose(rec, e) from e
+        rec.state, rec.pause_mode = SandboxState.PAUSED, "full"
+        await self.store.put_sandbox(rec)
+        return RuntimeFailure(f"Sandbox {sid} was captured but could not be restarted ({why}); it is paused "
+                              "with its full state: resume it", error_code="sandbox_parked")
+
+    async def _stop_quietly(self, sandbox_id: str) -> None:
+        try:
+            await self.runtime_for(sandbox_id).stop(sandbox_id)
+        except Exception:  # noqa: BLE001
+            log.exception("stop of %s failed", sandbox_id)
 
     async def _locked_capture(self, sandbox_id: str, team_id: str | None, op: str) -> tuple[SandboxRecord, str]:
         """Under the sandbox's lock: check `op` is legal, capture, and land in its final state.

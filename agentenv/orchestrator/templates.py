@@ -47,7 +47,6 @@ DEFAULT_TAG = "default"
 # What the SDK sends when no base is chosen (`e2bdev/base`), and names for our own base image.
 STEP_TIMEOUT_S = 30 * 60
 READY_TIMEOUT_S = 5 * 60
-BUILD_DRAIN_S = 75.0  # a ready command's loopback TIME_WAIT (curl) clears in 60 s
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._/-]{0,127}$")
 _TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -722,8 +721,7 @@ class TemplateService:
                 blog.add(f"Started: {start_cmd}", step="finalize")
             if ready_cmd or start_cmd:
                 await self._wait_ready(rec, ready_cmd or "sleep 1", chain.state, blog)
-            await self.orch._drain_connections(rec, budget=BUILD_DRAIN_S)
-            await self.orch.runtime_for(sid).checkpoint(sid, image_dir)
+            await self.orch._checkpoint(rec, image_dir)
             await self.orch.rootfs.unmount(sid)
             top = await self.orch.artifacts.seal_upper(self.orch.rootfs.upper_path(sid))
             mem = await self.orch.artifacts.seal_memory(image_dir)

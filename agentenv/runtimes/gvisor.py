@@ -1,13 +1,23 @@
 """gVisor (runsc) runtime: one OCI container per sandbox, networked through its slot's netns.
 
-Traps of runsc 0.0~20221219 handled here (see the gVisor reference notes):
+agentenv needs runsc 20240729 or newer (Debian 13, bookworm-backports): systrap, checkpoints of
+epoll servers, `checkpoint --leave-running`, `--net-disconnect-ok`. What this module handles:
+- The platform is chosen per host by measurement (`gvisor_platform.choose_platform`).
 - `--network=sandbox` refuses to start on new kernels because /proc/sys/net/core/rmem_default is
-  visible in every netns; each run/restore/checkpoint therefore runs in a throw-away private mount
-  namespace where a tiny tmpfs, mounted from *inside* the target netns, hides /proc/sys/net/core.
+  visible in every netns (fixed upstream after 20240807); each run/restore/checkpoint therefore runs
+  in a throw-away private mount namespace where a tiny tmpfs, mounted from *inside* the target
+  netns, hides /proc/sys/net/core.
+- A capture never loses the sandbox: it is frozen (`runsc pause`), checkpointed with
+  `--leave-running` (a refused or failed checkpoint leaves it alive: it is resumed and the caller
+  gets `CaptureRefused`) and only stopped once the image is complete. `--net-disconnect-ok` lets
+  the checkpoint reset TCP connections instead of refusing; since an event-loop server whose
+  connection is reset *during* the save can come back deaf after a restore, connections are reset
+  first, by a throw-away checkpoint while the sandbox runs, when the caller says there are any.
 - run/restore leave children holding the CLI's stdio: output goes to a file, never a pipe.
 - A failed create leaves cgroup directories behind: stop() removes them.
 - Root must be writable in the spec (readonly=true gives EROFS); the host overlayfs rootfs plus
   `--overlay2=none` keeps checkpoints small and restorable.
+- Container ids are matched by prefix by runsc: agentenv's ids have a fixed length.
 """
 
 from __future__ import annotations
@@ -18,21 +28,25 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from agentenv import constants
 from agentenv.config import Settings
-from agentenv.errors import RuntimeFailure
+from agentenv.errors import CaptureRefused, RuntimeFailure
 from agentenv.runtimes._proc import CmdResult, run_cmd
 from agentenv.runtimes.base import SandboxSpec
+from agentenv.runtimes.gvisor_platform import MIN_RELEASE, PlatformChoice, choose_platform, default_cache_dir
 
 log = logging.getLogger(__name__)
 
 RUN_TIMEOUT = 60.0
 CHECKPOINT_TIMEOUT = 300.0
 SHORT_TIMEOUT = 20.0
+# After the connection-resetting checkpoint, time for the sandbox's programs to see the resets.
+RESET_SETTLE_S = 0.1
 CGROUP_PARENT = "agentenv"
 CGROUP_FS = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
@@ -142,22 +156,46 @@ class GVisorRuntime:
         self.settings = settings
         self.runsc = settings.runsc_path
         self.root = settings.paths.runsc_root
-        self.platform = settings.runsc_platform
+        self.platform: str | None = None if settings.runsc_platform == "auto" else settings.runsc_platform
+        self.platform_choice: PlatformChoice | None = None
         self._overlay_flag: str | None = None
         self._old_runsc: bool | None = None
+        self._flags_lock = asyncio.Lock()
 
     # ---------------------------------------------------------------- plumbing
 
+    @property
+    def modern(self) -> bool:
+        """runsc >= 20240729: captures keep the sandbox alive when they fail (probed by the first call)."""
+        return self._old_runsc is False
+
     async def _global_flags(self) -> list[str]:
         if self._overlay_flag is None:
-            # Newer runsc has --overlay2 (we want it off); very old ones only the boolean --overlay.
-            res = await run_cmd([self.runsc, "flags"], timeout=SHORT_TIMEOUT, check=False, what="runsc flags")
-            self._overlay_flag = "--overlay2=none" if "overlay2" in (res.stdout + res.stderr) else "--overlay=false"
-            ver = await run_cmd([self.runsc, "--version"], timeout=SHORT_TIMEOUT, check=False, what="runsc version")
-            m = re.search(r"(20\d{6})", ver.stdout)
-            self._old_runsc = m is None or m.group(1) < "20230601"
+            async with self._flags_lock:
+                if self._overlay_flag is None:
+                    await self._probe()
+        assert self._overlay_flag is not None and self.platform is not None
         flags = [f"--root={self.root}", f"--platform={self.platform}", "--network=sandbox", self._overlay_flag]
+        if not self._old_runsc:
+            # A checkpoint resets TCP connections instead of refusing (and, on old runsc, killing).
+            flags.append("--net-disconnect-ok")
         return flags
+
+    async def _probe(self) -> None:
+        """The runsc release and the platform this host runs it on (cached across server starts)."""
+        choice = await choose_platform(self.runsc, self.settings.runsc_platform,
+                                       default_cache_dir(self.settings.data_dir))
+        self.platform_choice, self.platform = choice, choice.platform
+        self._old_runsc = not choice.runsc_version or choice.runsc_version < MIN_RELEASE
+        if self._old_runsc:
+            log.warning("runsc %s is release %s, older than %s: a refused checkpoint loses the sandbox; "
+                        "run `bash scripts/setup.sh` or `agentenv doctor`", self.runsc,
+                        choice.runsc_version or "?", MIN_RELEASE)
+        res = await run_cmd([self.runsc, "flags"], timeout=SHORT_TIMEOUT, check=False, what="runsc flags")
+        # Newer runsc has --overlay2 (we want it off); very old ones only the boolean --overlay.
+        self._overlay_flag = "--overlay2=none" if "overlay2" in (res.stdout + res.stderr) else "--overlay=false"
+        log.info("gVisor: runsc %s (release %s), platform %s: %s", self.runsc, choice.runsc_version or "?",
+                 choice.platform, choice.reason)
 
     async def _runsc(self, *args: str, timeout: float = SHORT_TIMEOUT, check: bool = True,
                      netns_path: str | None = None, output_file: Path | None = None) -> CmdResult:
@@ -232,21 +270,77 @@ class GVisorRuntime:
             await asyncio.shield(self.stop(spec.sandbox_id))
             raise
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
-        """Checkpoint, then delete the (stopped) container so the id can be restored again.
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, *, reset_connections: bool = False) -> None:
+        """Write the sandbox's memory image to `image_dir`, then stop and delete the container.
 
-        Fails if the sandbox holds any non-listening TCP endpoint (ESTABLISHED, TIME_WAIT...);
-        a failed checkpoint leaves the sandbox dead, which is why it is stopped in every case.
+        On runsc >= 20240729 the sandbox is never lost here: if the checkpoint fails it is resumed
+        and `CaptureRefused` says why (the sandbox runs on as before). `reset_connections`: the
+        sandbox holds TCP connections; they are reset while it runs, before the image is taken.
         """
+        await self._global_flags()
         netns_path = await self._netns_of(sandbox_id)
-        image_dir.mkdir(parents=True, exist_ok=True)
         st = await self._state(sandbox_id)
         log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
-        try:
-            await self._runsc("checkpoint", f"--image-path={image_dir}", sandbox_id,
-                              timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path, output_file=log_file)
-        finally:
-            await asyncio.shield(self.stop(sandbox_id))
+        image_dir.mkdir(parents=True, exist_ok=True)
+        if not self.modern:  # old runsc: the checkpoint stops the sandbox, and a refusal kills it
+            try:
+                await self._runsc("checkpoint", f"--image-path={image_dir}", sandbox_id,
+                                  timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path, output_file=log_file)
+            finally:
+                await asyncio.shield(self.stop(sandbox_id))
+            return
+        await self.save(sandbox_id, image_dir, reset_connections=reset_connections,
+                        netns_path=netns_path, log_file=log_file)
+        await asyncio.shield(self.stop(sandbox_id))
+
+    async def save(self, sandbox_id: str, image_dir: Path, *, reset_connections: bool = False,
+                   netns_path: str | None = None, log_file: Path | None = None) -> None:
+        """Write the memory image and leave the sandbox running (runsc >= 20240729 only).
+
+        The sandbox is frozen while the image is written, so the image and the files on its disk
+        describe the same instant; a failure resumes it and raises `CaptureRefused`.
+        """
+        if not self.modern:
+            raise RuntimeFailure(f"runsc release older than {MIN_RELEASE} cannot checkpoint a running sandbox")
+        netns_path = netns_path or await self._netns_of(sandbox_id)
+        if log_file is None:
+            st = await self._state(sandbox_id)
+            log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
+        image_dir.mkdir(parents=True, exist_ok=True)
+        compression = f"--compression={self.settings.runsc_compression}"
+        if reset_connections:
+            # A throw-away checkpoint while the sandbox runs: --net-disconnect-ok resets every TCP
+            # endpoint, and the programs that held them see ECONNRESET/ECONNABORTED and carry on.
+            scratch = image_dir.with_name(image_dir.name + ".reset")
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            try:
+                res = await self._runsc("checkpoint", "--leave-running", f"--image-path={scratch}", compression,
+                                        sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
+                                        output_file=log_file, check=False)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            if res.returncode != 0:
+                await self._refused(sandbox_id, log_file, "resetting its connections", frozen=False)
+            await asyncio.sleep(RESET_SETTLE_S)
+        await self._runsc("pause", sandbox_id)
+        res = await self._runsc("checkpoint", "--leave-running", f"--image-path={image_dir}", compression,
+                                sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
+                                output_file=log_file, check=False)
+        if res.returncode != 0:
+            await self._refused(sandbox_id, log_file, "writing its memory image", frozen=True)
+        # --leave-running restarts a paused container paused: thaw it for the caller
+        await self._runsc("resume", sandbox_id, check=False)
+
+    async def _refused(self, sandbox_id: str, log_file: Path | None, step: str, *, frozen: bool) -> None:
+        """A checkpoint failed: thaw the sandbox and raise CaptureRefused, or RuntimeFailure if it died."""
+        why = _checkpoint_error(_tail(log_file, 20000) if log_file else "")
+        if frozen:
+            await self._runsc("resume", sandbox_id, check=False)
+        if await self.state(sandbox_id) == "running":
+            raise CaptureRefused(f"gVisor could not checkpoint the sandbox ({step}): {why}; "
+                                 "the sandbox keeps running unchanged")
+        raise RuntimeFailure(f"gVisor checkpoint failed ({step}) and the sandbox stopped: {why}")
 
     async def stop(self, sandbox_id: str) -> None:
         if await self._state(sandbox_id) is not None:
@@ -323,6 +417,16 @@ class GVisorRuntime:
         """runsc's status string ('running', 'paused', 'stopped', ...) or None if unknown."""
         st = await self._state(sandbox_id)
         return st.get("status") if st else None
+
+
+def _checkpoint_error(log_text: str) -> str:
+    """The line of runsc's log that says why a checkpoint failed (its panics are long)."""
+    text = log_text[log_text.rfind("--- runsc checkpoint"):] if "--- runsc checkpoint" in log_text else log_text
+    for pat in (r"checkpoint failed: .*", r"(?i)no space left on device.*", r"(?i)error[^\n]*"):
+        m = re.search(pat, text)
+        if m:
+            return m.group(0).strip()[:500]
+    return text.strip()[-300:] or "runsc checkpoint failed"
 
 
 def _tail(path: Path, limit: int = 2000) -> str:

@@ -219,7 +219,15 @@ async def _probe_gvisor(settings: Settings, virt: HostVirt) -> Probe:
     if not path:
         return Probe("gvisor", False, STRENGTH_GVISOR, "runsc not found", "user-space kernel",
                      "apt-get install runsc (or gVisor's release)")
-    return Probe("gvisor", True, STRENGTH_GVISOR, f"runsc at {path} (platform {settings.runsc_platform})",
+    from agentenv.runtimes.gvisor_platform import MIN_RELEASE, runsc_release
+
+    release = await asyncio.to_thread(runsc_release, path)
+    if release is None or release < MIN_RELEASE:
+        # Older releases lose a sandbox whose checkpoint they refuse (open TCP connections, epoll).
+        return Probe("gvisor", False, STRENGTH_GVISOR, f"runsc at {path} is release {release or 'unknown'}, "
+                     f"older than {MIN_RELEASE}", "user-space kernel",
+                     "bash scripts/setup.sh (bookworm-backports on Debian 12), or install gVisor's release")
+    return Probe("gvisor", True, STRENGTH_GVISOR, f"runsc {release} at {path} (platform {settings.runsc_platform})",
                  "user-space kernel")
 
 

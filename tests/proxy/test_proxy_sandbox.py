@@ -352,19 +352,6 @@ def wait_state(sbx: Sandbox, state: str, limit: float = 120) -> None:
         time.sleep(0.5)
 
 
-def pause_when_possible(sbx: Sandbox, limit: float = 120) -> None:
-    """Pause; a recent close inside the sandbox (TIME_WAIT) can make the server ask us to retry."""
-    deadline = time.monotonic() + limit
-    while True:
-        try:
-            sbx.pause()
-            return
-        except Exception as e:  # noqa: BLE001
-            if "open TCP connections" not in str(e) or time.monotonic() > deadline:
-                raise
-            time.sleep(2)
-
-
 async def test_wake_on_traffic_20_concurrent_requests_one_resume(server) -> None:
     sbx = Sandbox.create(timeout=600, metadata={"suite": "proxy"},
                          lifecycle={"on_timeout": "pause", "auto_resume": True})
@@ -372,7 +359,7 @@ async def test_wake_on_traffic_20_concurrent_requests_one_resume(server) -> None
         assert sbx.get_info().lifecycle["auto_resume"] is True
         start_app(sbx, server)
         before = requests.get(f"{server.sandbox_url}/hello", headers=route(sbx), timeout=30).json()
-        pause_when_possible(sbx)
+        sbx.pause()
         wait_state(sbx, "paused")
         sid = sbx.sandbox_id
         woke0 = log_count(server, rf"woke sandbox {sid} on traffic")
@@ -425,7 +412,7 @@ def test_paused_sandbox_without_auto_resume_stays_paused(server) -> None:
     sbx = Sandbox.create(timeout=600, metadata={"suite": "proxy"})
     try:
         start_app(sbx, server)
-        pause_when_possible(sbx)
+        sbx.pause()
         wait_state(sbx, "paused")
         r = requests.get(f"{server.sandbox_url}/hello", headers=route(sbx), timeout=30)
         assert r.status_code == 502
