@@ -19,7 +19,12 @@ echo "[test] agentenv image build (data dir $AGENTENV_DATA_DIR)" >&2
 
 echo "[test] pytest" >&2
 set +e
-"$REPO_ROOT/.venv/bin/python" -m pytest tests -q -rs "$@"
+# With a test path among the arguments, run just that (`bash scripts/test.sh tests/e2e -x`); else all.
+TARGETS=(tests)
+for a in "$@"; do
+  case "$a" in tests/*|tests) TARGETS=() ;; esac
+done
+"$REPO_ROOT/.venv/bin/python" -m pytest "${TARGETS[@]}" -q -rs "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
