@@ -51,6 +51,7 @@ CGROUP_PARENT = "agentenv"
 CGROUP_FS = Path("/sys/fs/cgroup")
 CPU_PERIOD_US = 100_000
 CONSOLE_LOG = "console.log"  # runsc + sandbox stdout/stderr, in the bundle dir
+IMAGE_INFO = "agentenv-runsc.json"  # in each memory image: the runsc release and platform that wrote it
 
 # Run as `sh -c SCRIPT sh <netns path> <runsc argv...>` inside `unshare -m --propagation private`.
 _NETNS_WRAPPER = (
@@ -121,6 +122,9 @@ def build_oci_spec(spec: SandboxSpec) -> dict[str, Any]:
             ],
         },
     }
+    if spec.boot_id_file is not None:  # a restore must name the same mounts as its checkpoint
+        oci["mounts"].append({"destination": "/proc/sys/kernel/random/boot_id", "type": "bind",
+                              "source": str(spec.boot_id_file), "options": ["rbind", "ro"]})
     return oci
 
 
@@ -261,13 +265,21 @@ class GVisorRuntime:
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         await self._global_flags()  # probes the runsc release the bundle must be written for
         self._write_bundle(spec)
+        written_by = image_release(image_dir)
         try:
             await self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={spec.bundle_dir}",
                               spec.sandbox_id, timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
                               output_file=spec.bundle_dir / CONSOLE_LOG)
             await asyncio.to_thread(raise_memory_limit, spec)
-        except BaseException:
+        except BaseException as e:
             await asyncio.shield(self.stop(spec.sandbox_id))
+            ours = self.platform_choice.runsc_version if self.platform_choice else ""
+            if isinstance(e, RuntimeFailure) and written_by != ours:
+                # gVisor restores only images of its own release (an upgrade from Debian 12's runsc)
+                raise RuntimeFailure(
+                    f"this memory image was written by runsc {written_by or 'older than ' + MIN_RELEASE} and this "
+                    f"node runs runsc {ours or '?'}; gVisor cannot restore a checkpoint across releases "
+                    f"(docs/limitations.md, upgrades): {e.message}", error_code="image_incompatible") from e
             raise
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path, *, reset_connections: bool = False) -> None:
@@ -331,6 +343,9 @@ class GVisorRuntime:
             await self._refused(sandbox_id, log_file, "writing its memory image", frozen=True)
         # --leave-running restarts a paused container paused: thaw it for the caller
         await self._runsc("resume", sandbox_id, check=False)
+        (image_dir / IMAGE_INFO).write_text(json.dumps({
+            "runsc_release": self.platform_choice.runsc_version if self.platform_choice else "",
+            "platform": self.platform}))
 
     async def _refused(self, sandbox_id: str, log_file: Path | None, step: str, *, frozen: bool) -> None:
         """A checkpoint failed: thaw the sandbox and raise CaptureRefused, or RuntimeFailure if it died."""
@@ -417,6 +432,15 @@ class GVisorRuntime:
         """runsc's status string ('running', 'paused', 'stopped', ...) or None if unknown."""
         st = await self._state(sandbox_id)
         return st.get("status") if st else None
+
+
+def image_release(image_dir: Path) -> str:
+    """The runsc release that wrote a memory image ("" for images from before agentenv recorded it,
+    which were all written by Debian 12's runsc 20221219)."""
+    try:
+        return str(json.loads((image_dir / IMAGE_INFO).read_text()).get("runsc_release") or "")
+    except (OSError, ValueError):
+        return ""
 
 
 def _checkpoint_error(log_text: str) -> str:

@@ -8,16 +8,19 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
 from agentenv import constants
+from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure
 from agentenv.network.manager import NetworkManager
 from agentenv.runtimes.gvisor import GVisorRuntime
 
-from .conftest import Outside, SandboxKit, http_get, is_mounted, run, wait_http
+from .conftest import DATA_DIR, Outside, SandboxKit, http_get, is_mounted, run, wait_http
 
 
 def report(msg: str) -> None:
@@ -257,3 +260,49 @@ async def test_failed_start_cleans_up(kit: SandboxKit):
     assert cgroup_dirs(box.sandbox_id) == []
     await kit.destroy(box)
     await assert_gone(kit, box)
+
+
+OLD_RUNSC_VERSION = "0.0~20221219.0-2+b3"  # Debian 12's own runsc, what agentenv ran before 20240729
+
+
+def old_runsc(cache: Path) -> Path | None:
+    """Debian 12's runsc binary, fetched with `apt-get download` and unpacked once (None if apt has none)."""
+    binary = cache / "unpacked" / "usr" / "bin" / "runsc"
+    if binary.exists():
+        return binary
+    cache.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["apt-get", "download", f"runsc={OLD_RUNSC_VERSION}"], cwd=cache, capture_output=True,
+                       text=True, timeout=300)
+    debs = sorted(cache.glob("runsc_*.deb"))
+    if r.returncode != 0 or not debs:
+        return None
+    subprocess.run(["dpkg-deb", "-x", str(debs[-1]), str(cache / "unpacked")], check=True, timeout=120)
+    return binary
+
+
+async def test_image_of_the_old_runsc_fails_with_the_cause(kit: SandboxKit, settings: Settings):
+    """Upgrade path: a memory image written by Debian 12's runsc (paused sandboxes, snapshots of an
+    older agentenv) is refused by the current runsc at once, with an error naming the cause."""
+    binary = old_runsc(DATA_DIR.parent / f"{DATA_DIR.name}-old-runsc")
+    if binary is None:
+        pytest.skip(f"apt-get download runsc={OLD_RUNSC_VERSION} failed (no Debian 12 archive in apt)")
+    old = GVisorRuntime(settings.model_copy(update={"runsc_path": str(binary), "runsc_platform": "ptrace"}))
+    box = await kit.prepare()
+    await old.start(box.spec)
+    try:
+        await kit.net.activate(box.slot)
+        wait_http(box.slot.host_ip)
+        await asyncio.sleep(0.3)
+        image = box.dir / "checkpoint"
+        await old.checkpoint(box.sandbox_id, image)  # the old runsc stops the container
+    finally:
+        await old.stop(box.sandbox_id)
+    await kit.net.deactivate(box.slot)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeFailure) as e:
+        await kit.rt.restore(box.spec, image)
+    assert time.monotonic() - t0 < 60  # never a hang
+    assert e.value.error_code == "image_incompatible", e.value.message
+    assert "cannot restore a checkpoint across releases" in e.value.message
+    assert not await kit.rt.is_alive(box.sandbox_id)  # nothing half-restored
+    assert box.sandbox_id not in await kit.rt.list_ids()

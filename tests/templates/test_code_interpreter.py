@@ -117,3 +117,33 @@ def test_kernel_was_started_by_the_template_not_by_the_sandbox(sbx):
     # first run_code and the server answered the first request without starting one.
     procs = sbx.commands.run("ps -eo pid,args").stdout
     assert "server.py --kernel" in procs and "/opt/agentenv-ci/server.py" in procs
+
+
+def test_kernel_state_survives_pause_fork_and_snapshot(ci_server):
+    """The Jupyter kernel (an epoll server holding its ZeroMQ sockets on loopback) is captured like any
+    process: its variables are there after pause/resume, in each of 4 fork children, and in a sandbox
+    created from a snapshot; the source keeps running."""
+    s = ci.Sandbox.create(timeout=600, **ci_server.sdk_opts())
+    made: list = [s]
+    try:
+        assert s.run_code("kept = 41").error is None
+        assert s.pause() is True
+        s = ci.Sandbox.connect(s.sandbox_id, timeout=600, **ci_server.sdk_opts())
+        assert s.run_code("kept += 1\nkept").text == "42"
+        children = s.fork(count=4, timeout=600)
+        made += [c for c in children if not isinstance(c, Exception)]
+        assert len(made) == 5, children
+        for c in made[1:]:
+            child = ci.Sandbox.connect(c.sandbox_id, **ci_server.sdk_opts())
+            assert child.run_code("kept").text == "42"
+        snap = s.create_snapshot()
+        assert s.run_code("kept + 1").text == "43"  # the source runs on
+        again = ci.Sandbox.create(snap.snapshot_id, timeout=300, **ci_server.sdk_opts())
+        made.append(again)
+        assert again.run_code("kept").text == "42"
+    finally:
+        for x in made:
+            try:
+                x.kill()
+            except Exception:  # noqa: BLE001
+                pass
