@@ -1,10 +1,10 @@
 """TCP endpoints inside the sandbox, for the host's pre-checkpoint check.
 
-gVisor (at least its 2022 releases) refuses to checkpoint while any TCP endpoint other than a
-listener exists — ESTABLISHED, and TIME_WAIT for 60 s after a close the sandbox side initiated —
-and a refused checkpoint kills the sandbox. The host therefore asks envd, before pausing, forking
-or snapshotting, which endpoints would block it, waits for them to drain, or refuses the operation
-with a clear message instead of losing the sandbox.
+gVisor resets TCP connections when it checkpoints (`--net-disconnect-ok`), but an event-loop server
+whose connection is reset during the save can come back unable to accept after a restore. The host
+therefore asks envd, before pausing, forking or snapshotting, whether anything other than listeners
+(and TIME_WAIT remnants) is open, and if so has the runtime reset the connections first, while the
+sandbox runs (see runtimes/gvisor.py).
 """
 
 from __future__ import annotations
