@@ -24,6 +24,7 @@ import secrets
 import shutil
 import string
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -47,6 +48,9 @@ from agentenv.storage.artifacts import ArtifactCache
 log = logging.getLogger("agentenv.orchestrator")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
+# The sandbox's /proc/sys/kernel/random/boot_id, in its sandbox dir (SandboxSpec.boot_id_file), and the
+# boot a memory image continues, in the image dir (`_checkpoint`, `_write_boot_id`).
+BOOT_ID_FILE = "boot_id"
 
 
 def _new_id(prefix: str) -> str:
@@ -515,7 +519,7 @@ class Orchestrator:
         elif snap is not None:
             await self._spawn(rec)  # a filesystem-only snapshot: boot fresh on its layers
         elif build is not None:  # a built template: restore its committed snapshot (start command running)
-            await self._spawn_restored(rec, build.memory_digest, restore_token=build.restore_token)
+            await self._spawn_restored(rec, build.memory_digest, restore_token=build.restore_token, new_boot=True)
         else:
             await self._spawn_from_template(rec, tmpl)
         log.info("created sandbox %s from %s in %.3fs (runtime %s)", rec.sandbox_id, template,
@@ -528,7 +532,7 @@ class Orchestrator:
         """What a warm image depends on: a change to any of these makes it stale."""
         parts = [tools.name, tmpl.template_id, tmpl.image, str(tmpl.cpu_count), str(tmpl.memory_mb),
                  str(self.settings.max_upload_bytes), str(self.settings.memory_headroom_mb), self._warm_runtime(tmpl),
-                 hashlib.sha256(self._host_token.encode()).hexdigest()[:16]]
+                 hashlib.sha256(self._host_token.encode()).hexdigest()[:16], "boot_id-mount"]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
     def _warm_runtime(self, tmpl: TemplateRecord) -> str:
@@ -581,7 +585,7 @@ class Orchestrator:
             return
         rec.layers = list(meta.get("layers", []))
         try:
-            await self._spawn_restored(rec, meta["memory"], restore_token=None)
+            await self._spawn_restored(rec, meta["memory"], restore_token=None, new_boot=True)
         except RuntimeFailure as e:
             log.warning("warm start of %s failed (%s); booting it cold", rec.sandbox_id, e.message[:300])
             self._warm_meta_path(tmpl).unlink(missing_ok=True)
@@ -615,6 +619,7 @@ class Orchestrator:
             self._slots[sid] = slot
             spec = self._spec(rec, rootfs, slot, tools)
             spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+            self._write_boot_id(sid, None)
             await self._attach_vm_boot(spec)
             await rt.start(spec)
             await self.network.activate(slot)
@@ -664,7 +669,31 @@ class Orchestrator:
             bundle_dir=self.paths.sandbox_dir(rec.sandbox_id) / "bundle",
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
             args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self._lowers(rec),
-            nofile=self.settings.sandbox_nofile, memory_headroom_mb=self.settings.memory_headroom_mb)
+            nofile=self.settings.sandbox_nofile, memory_headroom_mb=self.settings.memory_headroom_mb,
+            boot_id_file=self.paths.sandbox_dir(rec.sandbox_id) / BOOT_ID_FILE)
+
+    def _write_boot_id(self, sandbox_id: str, image: Path | None) -> None:
+        """Write the sandbox's /proc/sys/kernel/random/boot_id (bind-mounted from its sandbox dir).
+
+        gVisor fixes its own boot_id when its kernel boots and keeps it in a checkpoint, so every
+        sandbox warm-started from one template image would share it. A boot, and a create from a
+        template (its warm or built image is ours, not the user's), is a new boot; a restore of
+        `image` continues the boot the image recorded (`_checkpoint` copies the file in): a full
+        pause/resume (also on another node), a capture's source, fork children and sandboxes created
+        from a memory snapshot. An image without one (taken before the mount existed) restores its
+        own mount table, so the file it gets here is unused.
+        """
+        boot = None
+        if image is not None:
+            try:
+                boot = str(uuid.UUID((image / BOOT_ID_FILE).read_text().strip()))
+            except (OSError, ValueError):
+                boot = None
+        path = self.paths.sandbox_dir(sandbox_id) / BOOT_ID_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{boot or uuid.uuid4()}\n")
+        os.replace(tmp, path)
 
     async def _attach_vm_boot(self, spec: SandboxSpec) -> None:
         """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""
@@ -674,14 +703,15 @@ class Orchestrator:
             spec.vm = await runtime_select.VM_GUEST_IMAGES(self.paths.images, spec)
 
     async def _spawn(self, rec: SandboxRecord, *, restore_from: Path | None = None,
-                     restore_token: str | None = None) -> None:
+                     restore_token: str | None = None, new_boot: bool = False) -> None:
         """Bring a new sandbox record to RUNNING (boot, or restore from a memory image); all or nothing."""
         async with self.lifecycle.lock(rec.sandbox_id):
             self._records[rec.sandbox_id] = rec
             self._bind()
             await self.store.put_sandbox(rec)
             try:
-                await self._bring_up(rec, restore_from=restore_from, restore_token=restore_token)
+                await self._bring_up(rec, restore_from=restore_from, restore_token=restore_token,
+                                     new_boot=new_boot)
             except BaseException as e:
                 log.error("start of %s failed: %s", rec.sandbox_id, e)
                 self._keep_logs(rec.sandbox_id, "failed")  # the runtime's console/VMM logs say why
@@ -697,17 +727,20 @@ class Orchestrator:
             rec.state = SandboxState.RUNNING
             await self.store.put_sandbox(rec)
 
-    async def _spawn_restored(self, rec: SandboxRecord, memory_digest: str, *, restore_token: str | None) -> None:
+    async def _spawn_restored(self, rec: SandboxRecord, memory_digest: str, *, restore_token: str | None,
+                              new_boot: bool = False) -> None:
         """_spawn from a memory image, which is pulled if missing and kept from GC meanwhile."""
         mem = await self._pin_memory(memory_digest)
         try:
-            await self._spawn(rec, restore_from=mem, restore_token=restore_token)
+            await self._spawn(rec, restore_from=mem, restore_token=restore_token, new_boot=new_boot)
         finally:
             self._unpin_memory(memory_digest)
 
     async def _bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
-                        slot: NetSlot | None = None) -> None:
-        """Mount the rootfs, take a network slot, start or restore, wait for envd, (re)init it."""
+                        slot: NetSlot | None = None, new_boot: bool = False) -> None:
+        """Mount the rootfs, take a network slot, start or restore, wait for envd, (re)init it.
+
+        A start, or `new_boot`, is a new boot_id; a restore continues its image's (`_write_boot_id`)."""
         tools = await self.images.ensure_tools()
         for digest in rec.layers:
             await self.artifacts.ensure_layer(digest)
@@ -723,6 +756,7 @@ class Orchestrator:
         self._runtime_of[rec.sandbox_id] = rt.name
         spec = self._spec(rec, rootfs, slot, tools)
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+        self._write_boot_id(rec.sandbox_id, None if new_boot else restore_from)
         await self._attach_vm_boot(spec)
         if restore_from is None:
             await rt.start(spec)
@@ -839,6 +873,12 @@ class Orchestrator:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise await self._lose(rec, e) from e
+        boot_id = self.paths.sandbox_dir(sid) / BOOT_ID_FILE
+        try:  # the boot this image continues (`_write_boot_id`); without it a restore is a new boot_id
+            if boot_id.is_file():
+                shutil.copyfile(boot_id, image_dir / BOOT_ID_FILE)
+        except OSError as e:
+            log.warning("could not record the boot_id of %s in its image: %s", sid, e)
 
     async def kill_sandbox(self, sandbox_id: str, *, team_id: str | None) -> None:
         self._get_live(sandbox_id, team_id)

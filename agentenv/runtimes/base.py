@@ -60,6 +60,10 @@ class SandboxSpec:
     lowers: list[Path] = field(default_factory=list)
     nofile: int = 65536                                 # RLIMIT_NOFILE of the sandbox's processes
     memory_headroom_mb: int = 0                         # host limit above memory_mb (envd's OOM guard acts first)
+    # Host file bind-mounted read-only over /proc/sys/kernel/random/boot_id (outside the rootfs, in the
+    # sandbox dir; the orchestrator writes it per boot). gVisor only: its own boot_id is fixed when its
+    # kernel boots, so every restore of one image would share it. MicroVM guests have their own.
+    boot_id_file: Path | None = None
 
 
 class Runtime(Protocol):

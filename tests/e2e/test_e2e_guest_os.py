@@ -167,12 +167,34 @@ def test_boot_id_across_pause_fork_and_reboot(sandbox_factory: SandboxFactory):
     assert sbx.files.read(f"{HOME}/fs-only.txt") == "survives\n"
 
 
-@pytest.mark.xfail(strict=True, reason="runsc 20240729 fixes boot_id when its kernel boots; every sandbox "
-                   "warm-started from one template image shares that boot's id until the runtime gives each "
-                   "create its own (docs/limitations.md)")
 def test_boot_id_differs_between_sandboxes(sandbox_factory: SandboxFactory):
+    """Each create is its own boot, also when both are restores of the template's one warm image."""
     a, b = sandbox_factory.create(), sandbox_factory.create()
     assert _boot_id(a) != _boot_id(b)
+    raw = run(a, "cat /proc/sys/kernel/random/boot_id").stdout
+    assert raw.endswith("\n") and raw.count("\n") == 1, repr(raw)  # like Linux: one line
+
+
+@pytest.mark.timeout(600)
+def test_boot_id_of_sandboxes_from_snapshots(sandbox_factory: SandboxFactory):
+    """A memory snapshot continues its source's boot (as a fork child does); a filesystem-only one
+    boots anew. The source keeps its boot through both captures."""
+    src = sandbox_factory.create()
+    boot = _boot_id(src)
+    full = src.create_snapshot()
+    fs = src.create_snapshot(mode="filesystem")
+    try:
+        assert _boot_id(src) == boot
+        from_full = sandbox_factory.create(template=full.snapshot_id)
+        assert _boot_id(from_full) == boot
+        from_fs = sandbox_factory.create(template=fs.snapshot_id)
+        assert _boot_id(from_fs) not in (boot, _boot_id(from_full))
+    finally:
+        for s in (full, fs):
+            try:
+                Sandbox.delete_snapshot(s.snapshot_id)
+            except Exception:  # noqa: BLE001 - cleanup
+                pass
 
 
 # ---- Node.js and npm -------------------------------------------------------------------------------
