@@ -224,7 +224,7 @@ def pss_kb(pid: int) -> int:
 
 
 def procs_of(sandbox_id: str) -> list[int]:
-    """runsc-sandbox + gofer (and their ptrace stub children) of one container: cmdline mentions the id."""
+    """runsc-sandbox + gofer (and their platform stub children) of one container: cmdline mentions the id."""
     children: dict[int, list[int]] = {}
     roots = []
     for e in Path("/proc").iterdir():
@@ -500,7 +500,16 @@ class Raw:
 
 
 def runsc_exec_argv(root: Path, sid: str) -> list[str]:
-    return ["runsc", f"--root={root}", "--platform=ptrace", "exec", sid, "/bin/true"]
+    """`runsc exec` with the global flags the server runs its containers with (platform, network)."""
+    return ["runsc", f"--root={root}", f"--platform={gvisor_platform()}", "--net-disconnect-ok", "exec", sid,
+            "/bin/true"]
+
+
+def gvisor_platform() -> str:
+    """The platform the server chose on this host (the same probe and cache it uses)."""
+    from agentenv.runtimes.gvisor_platform import choose_platform, default_cache_dir
+    return asyncio.run(choose_platform("runsc", os.environ.get("AGENTENV_GVISOR_PLATFORM", "auto"),
+                                       default_cache_dir(BENCH_DIR))).platform
 
 
 # ---------------------------------------------------------------- benchmarks
