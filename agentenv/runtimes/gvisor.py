@@ -340,16 +340,20 @@ class GVisorRuntime:
                                 sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
                                 output_file=log_file, check=False)
         if res.returncode != 0:
-            await self._refused(sandbox_id, log_file, "writing its memory image", frozen=True)
+            await self._refused(sandbox_id, log_file, "writing its memory image", frozen=True, image_dir=image_dir)
         # --leave-running restarts a paused container paused: thaw it for the caller
         await self._runsc("resume", sandbox_id, check=False)
         (image_dir / IMAGE_INFO).write_text(json.dumps({
             "runsc_release": self.platform_choice.runsc_version if self.platform_choice else "",
             "platform": self.platform}))
 
-    async def _refused(self, sandbox_id: str, log_file: Path | None, step: str, *, frozen: bool) -> None:
+    async def _refused(self, sandbox_id: str, log_file: Path | None, step: str, *, frozen: bool,
+                       image_dir: Path | None = None) -> None:
         """A checkpoint failed: thaw the sandbox and raise CaptureRefused, or RuntimeFailure if it died."""
         why = _checkpoint_error(_tail(log_file, 20000) if log_file else "")
+        full = _disk_full(image_dir) if image_dir is not None else None
+        if full:  # runsc 20240729 reports a write failing with ENOSPC as a nil-pointer panic
+            why = f"{full} ({why[:200]})"
         if frozen:
             await self._runsc("resume", sandbox_id, check=False)
         if await self.state(sandbox_id) == "running":
@@ -441,6 +445,18 @@ def image_release(image_dir: Path) -> str:
         return str(json.loads((image_dir / IMAGE_INFO).read_text()).get("runsc_release") or "")
     except (OSError, ValueError):
         return ""
+
+
+def _disk_full(image_dir: Path) -> str | None:
+    """'no space left on device ...' when the file system of a failed checkpoint's image is full."""
+    try:
+        st = os.statvfs(image_dir)
+    except OSError:
+        return None
+    free = st.f_bfree * st.f_frsize  # runsc writes as root: reserved blocks count
+    if free >= 1 << 20:
+        return None
+    return f"no space left on device for the memory image ({image_dir}: {free // 1024} KiB free)"
 
 
 def _checkpoint_error(log_text: str) -> str:
