@@ -1343,7 +1343,13 @@ class Orchestrator:
                 metadata=dict(rec.metadata), size_bytes=size, restore_token=rec.envd_access_token,
                 network={"allow_internet_access": rec.allow_internet_access, "network": rec.network},
                 runtime=rec.runtime)
-            await self.artifacts.publish(snap)
+            try:
+                await self.artifacts.publish(snap)
+            except Exception as e:  # noqa: BLE001 - the manifest goes last: nothing half-published is visible
+                log.error("publishing snapshot of %s failed: %s", sandbox_id, e)
+                raise Unavailable(f"Snapshot of sandbox {sandbox_id} was not taken: the snapshot store is "
+                                  f"unreachable ({e}); the sandbox keeps running",
+                                  error_code="snapshot_store_unavailable", headers={"Retry-After": "5"}) from e
             await self.store.put_snapshot(snap)
         finally:
             self._unpin_memory(mem)
