@@ -241,6 +241,15 @@ class Orchestrator:
         keep: set[str] = set()
         await self.network.discover()
         for rec in await self.store.list_sandboxes():
+            if rec.state in (SandboxState.FORKING, SandboxState.SNAPSHOTTING):
+                # a capture the old process did not finish (it records the source's new layers
+                # half-way): the source still runs (frozen at worst), or its capture journal holds it
+                rec.state = SandboxState.RUNNING
+            if rec.state == SandboxState.RUNNING and await self._recover_capture(rec):
+                # its journal: the source was stopped after its image was written; a container
+                # restored from that image may have come up half-way: the image is the truth
+                keep.add(rec.sandbox_id)
+                continue
             slot = self.network.slot_for(rec.sandbox_id)
             rt = self.runtimes.get(rec.runtime)
             if rt is None and rec.state == SandboxState.RUNNING:
@@ -251,9 +260,6 @@ class Orchestrator:
                 # frozen by a capture the old process did not finish: the sandbox runs on
                 log.warning("sandbox %s was frozen by an interrupted capture; thawing it", rec.sandbox_id)
                 await rt.resume(rec.sandbox_id)
-            if not alive and rec.state == SandboxState.RUNNING and await self._recover_capture(rec):
-                keep.add(rec.sandbox_id)
-                continue
             if alive:
                 self._records[rec.sandbox_id] = rec
                 self._runtime_of[rec.sandbox_id] = rec.runtime
