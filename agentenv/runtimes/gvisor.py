@@ -466,7 +466,9 @@ def _checkpoint_error(log_text: str) -> str:
         m = re.search(pat, text)
         if m:
             return m.group(0).strip()[:500]
-    return text.strip()[-300:] or "runsc checkpoint failed"
+    if text.startswith("--- runsc checkpoint"):  # our header line, not runsc's words
+        text = text.partition("\n")[2]
+    return text.strip()[-300:] or "runsc checkpoint failed without a word (killed?)"
 
 
 def _tail(path: Path, limit: int = 2000) -> str:
