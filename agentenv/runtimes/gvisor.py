@@ -301,13 +301,17 @@ class GVisorRuntime:
             finally:
                 await asyncio.shield(self.stop(sandbox_id))
             return
+        # stopped while still frozen: a thawed sandbox would change its disk after the image
+        # (files it holds open renamed or deleted), and the image would not restore on that disk
         await self.save(sandbox_id, image_dir, reset_connections=reset_connections,
-                        netns_path=netns_path, log_file=log_file)
+                        netns_path=netns_path, log_file=log_file, thaw=False)
         await asyncio.shield(self.stop(sandbox_id))
 
     async def save(self, sandbox_id: str, image_dir: Path, *, reset_connections: bool = False,
-                   netns_path: str | None = None, log_file: Path | None = None) -> None:
+                   netns_path: str | None = None, log_file: Path | None = None, thaw: bool = True) -> None:
         """Write the memory image and leave the sandbox running (runsc >= 20240729 only).
+
+        `thaw=False`: leave it frozen after a successful save (the caller stops it).
 
         The sandbox is frozen while the image is written, so the image and the files on its disk
         describe the same instant; a failure resumes it and raises `CaptureRefused`.
@@ -341,8 +345,8 @@ class GVisorRuntime:
                                 output_file=log_file, check=False)
         if res.returncode != 0:
             await self._refused(sandbox_id, log_file, "writing its memory image", frozen=True, image_dir=image_dir)
-        # --leave-running restarts a paused container paused: thaw it for the caller
-        await self._runsc("resume", sandbox_id, check=False)
+        if thaw:  # --leave-running restarts a paused container paused: thaw it for the caller
+            await self._runsc("resume", sandbox_id, check=False)
         (image_dir / IMAGE_INFO).write_text(json.dumps({
             "runsc_release": self.platform_choice.runsc_version if self.platform_choice else "",
             "platform": self.platform}))
