@@ -1,0 +1,496 @@
+"""Never lose a sandbox (issue 12, item 3): captures that fail half-way, through the E2B SDK.
+
+Faults injected, each against a real `agentenv serve`:
+- runsc refuses the checkpoint (a wrapper around the real runsc, `AGENTENV_RUNSC_PATH`, answers
+  `checkpoint` with an error while a trigger file exists);
+- runsc is SIGKILLed 50 ms into its checkpoint (same wrapper, another trigger file);
+- the disk is full during a pause (a real ENOSPC: a 1 MiB tmpfs mounted on the pause image dir);
+- the snapshot store (a real S3 server, rclone) is down during a snapshot publish and during a
+  pause publish (the server runs with `publish_paused` on, as `agentenv node` does: a pause is
+  sealed and uploaded to the store so any node can resume it);
+- the server is killed (-9, its whole process group) mid-fork, while the source is frozen for its
+  checkpoint, once the checkpoint is written and once the image is sealed, then restarted on the
+  same data dir;
+- (not a fault, but what the others rely on) a program that keeps renaming files it holds open:
+  the image of a capture must match the disk it is restored on.
+After every fault the sandbox is RUNNING (or PAUSED and resumable, after a crash), the process
+started before the fault answers with its in-memory state intact, a file written before is there;
+every server is stopped, `agentenv gc` run and nothing of its data dir may be left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import requests
+from e2b import Sandbox, SandboxState
+
+from lifecycle_util import WORK, WorkerState, ask_worker, assert_same_worker, setup_worker
+from s3server import S3Server, rclone_binary, start_s3
+from serverproc import ExtraServer, new_api_key, new_data_dir, remove_data_dir, start_extra_server
+
+TIMEOUT_S = 900
+MARKER = "written before the fault\n"
+
+# Execs the real runsc, except for `checkpoint` while a trigger file exists in FAULTS.
+WRAPPER_SH = r'''#!/bin/sh
+FAULTS='{faults}'
+REAL='{real}'
+for a in "$@"; do
+  if [ "$a" = checkpoint ]; then
+    if [ -e "$FAULTS/refuse" ]; then
+      echo "checkpoint failed: injected by the test" >&2
+      exit 1
+    fi
+    if [ -e "$FAULTS/kill" ]; then
+      "$REAL" "$@" &
+      pid=$!
+      sleep 0.05
+      kill -KILL "$pid" 2>/dev/null
+      wait "$pid"
+      echo "runsc checkpoint killed by the test (rc=$?)" >&2
+      exit 137
+    fi
+    break
+  fi
+done
+exec "$REAL" "$@"
+'''
+
+# `agentenv` with publish_paused on, as `agentenv node` (cluster) runs it: a pause is sealed and
+# published to the snapshot store. Everything else is the unmodified CLI.
+PUBLISHING_AGENTENV = '''#!{python}
+import sys
+
+import agentenv.server as server
+
+_build = server.build
+
+
+async def build(settings, **kw):
+    kw.setdefault("publish_paused", True)
+    return await _build(settings, **kw)
+
+
+server.build = build
+from agentenv.cli import main
+
+sys.exit(main())
+'''
+
+
+def _restart_s3(s3: S3Server) -> S3Server:
+    """rclone again on the same address, keys and root (the store comes back)."""
+    hostport = s3.endpoint.removeprefix("http://")
+    host, port = hostport.rsplit(":", 1)
+    log = open(s3.root.parent / f"rclone-{port}-again.log", "wb")
+    proc = subprocess.Popen(
+        [rclone_binary(), "serve", "s3", "--addr", hostport, "--auth-key", f"{s3.access_key},{s3.secret_key}",
+         "--config", "/dev/null", str(s3.root)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.2):
+                return S3Server(s3.endpoint, s3.access_key, s3.secret_key, s3.root, proc)
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("rclone did not come back on its port")
+            time.sleep(0.05)
+
+
+@dataclass
+class Faulty:
+    srv: ExtraServer
+    faults: Path
+    s3: S3Server
+
+    def inject(self, kind: str) -> None:
+        (self.faults / kind).touch()
+
+    def clear(self) -> None:
+        for p in self.faults.iterdir():
+            p.unlink()
+
+
+@pytest.fixture(scope="module")
+def faulty(server) -> Iterator[Faulty]:
+    """An extra server whose runsc is the fault-injecting wrapper, on a real S3 store, publishing pauses."""
+    tmp = Path(tempfile.mkdtemp(prefix="agentenv-faults-", dir="/var/tmp"))
+    faults = tmp / "faults"
+    faults.mkdir()
+    real = shutil.which("runsc")
+    assert real, "runsc not installed"
+    wrapper = tmp / "runsc"
+    wrapper.write_text(WRAPPER_SH.format(faults=faults, real=real))
+    wrapper.chmod(0o755)
+    launcher = tmp / "agentenv-publishing"
+    launcher.write_text(PUBLISHING_AGENTENV.format(python=sys.executable))
+    launcher.chmod(0o755)
+    s3 = start_s3(tmp / "s3root")
+    env = dict(AGENTENV_RUNSC_PATH=str(wrapper), AGENTENV_WARM_START="false",
+               AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET="faults", AGENTENV_S3_PREFIX="agentenv/",
+               AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
+               AGENTENV_S3_SECRET_KEY=s3.secret_key)
+    d = new_data_dir("faults")
+    srv = None
+    holder = Faulty(None, faults, s3)  # type: ignore[arg-type]
+    old_bin = os.environ.get("AGENTENV_TEST_BIN")
+    try:
+        os.environ["AGENTENV_TEST_BIN"] = str(launcher)
+        try:
+            srv = start_extra_server(d, env=env)
+        finally:
+            if old_bin is None:
+                os.environ.pop("AGENTENV_TEST_BIN", None)
+            else:
+                os.environ["AGENTENV_TEST_BIN"] = old_bin
+        holder.srv = srv
+        yield holder
+        holder.clear()
+        if holder.s3.proc.poll() is not None:  # a test stopped the store: its shutdown and gc need it
+            holder.s3 = _restart_s3(holder.s3)
+        problems = srv.stop()
+        assert not problems, problems
+    finally:
+        if srv is not None and not srv.stopped:
+            try:
+                if holder.s3.proc.poll() is not None:
+                    holder.s3 = _restart_s3(holder.s3)
+                srv.stop(check_leftovers=False)
+            except Exception:  # noqa: BLE001
+                pass
+        holder.s3.stop()
+        remove_data_dir(d)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _prepare(srv: ExtraServer, mib: int = 16) -> tuple[Sandbox, WorkerState]:
+    sbx = Sandbox.create(timeout=TIMEOUT_S, **srv.sdk_opts())
+    srv.known_ids.add(sbx.sandbox_id)
+    sbx.files.write(f"{WORK}/before.txt", MARKER)
+    before = setup_worker(sbx, mib)
+    return sbx, before
+
+
+def _assert_intact(srv: ExtraServer, sbx: Sandbox, before: WorkerState, where: str,
+                   state: SandboxState = SandboxState.RUNNING) -> None:
+    """Never LOST: listed in `state`, and (once running) the same worker with its memory, the same file."""
+    info = Sandbox.get_info(sbx.sandbox_id, **srv.sdk_opts())
+    assert info.state == state, f"{where}: sandbox is {info.state}, expected {state}\n{srv.log_tail(30)}"
+    if state == SandboxState.RUNNING:
+        assert_same_worker(ask_worker(sbx), before, where)
+        assert sbx.files.read(f"{WORK}/before.txt") == MARKER, f"{where}: file written before is gone"
+
+
+def _raw_pause(srv: ExtraServer, sid: str) -> requests.Response:
+    return requests.post(f"{srv.url}/sandboxes/{sid}/pause", headers=srv.headers(), timeout=300)
+
+
+def _pause_resume_works(srv: ExtraServer, sbx: Sandbox, before: WorkerState, where: str) -> None:
+    """With the fault gone, a pause succeeds and the resume continues the very same worker."""
+    assert sbx.pause() is True, f"{where}: pause refused after the fault was removed"
+    _assert_intact(srv, sbx, before, f"{where}: paused", SandboxState.PAUSED)
+    again = Sandbox.connect(sbx.sandbox_id, timeout=TIMEOUT_S, **srv.sdk_opts())
+    _assert_intact(srv, again, before, f"{where}: resumed")
+
+
+def _kill(srv: ExtraServer, sid: str) -> None:
+    try:
+        Sandbox.kill(sid, **srv.sdk_opts())
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _status(e: BaseException) -> int | None:
+    return getattr(e, "status_code", None)
+
+
+@pytest.mark.timeout(300)
+def test_refused_checkpoint_leaves_sandbox_running(faulty):
+    srv = faulty.srv
+    sbx, before = _prepare(srv)
+    try:
+        faulty.inject("refuse")
+        r = _raw_pause(srv, sbx.sandbox_id)
+        assert r.status_code == 503, (r.status_code, r.text)
+        body = r.json()
+        assert body.get("error_code") == "capture_failed" and "injected" in body["message"], body
+        _assert_intact(srv, sbx, before, "after a refused pause (HTTP)")
+
+        with pytest.raises(Exception) as ei:
+            sbx.pause()
+        assert "injected" in str(ei.value), repr(ei.value)
+        _assert_intact(srv, sbx, before, "after a refused pause (SDK)")
+
+        with pytest.raises(Exception) as ei:
+            sbx.fork(count=2)
+        assert "injected" in str(ei.value), repr(ei.value)
+        _assert_intact(srv, sbx, before, "after a refused fork")
+
+        with pytest.raises(Exception) as ei:
+            sbx.create_snapshot()
+        assert "injected" in str(ei.value), repr(ei.value)
+        _assert_intact(srv, sbx, before, "after a refused snapshot")
+        assert not Sandbox.list_snapshots(**srv.sdk_opts()).next_items(), "a refused snapshot was recorded"
+
+        faulty.clear()
+        _pause_resume_works(srv, sbx, before, "refused checkpoint")
+    finally:
+        faulty.clear()
+        _kill(srv, sbx.sandbox_id)
+
+
+@pytest.mark.timeout(300)
+def test_runsc_killed_mid_checkpoint_leaves_sandbox_running(faulty):
+    srv = faulty.srv
+    sbx, before = _prepare(srv, mib=64)
+    try:
+        faulty.inject("kill")
+        for op in ("pause", "fork", "snapshot"):
+            t0 = time.monotonic()
+            try:
+                if op == "pause":
+                    done = sbx.pause()
+                elif op == "fork":
+                    done = sbx.fork(count=2)
+                else:
+                    done = sbx.create_snapshot()
+            except Exception as e:  # noqa: BLE001 - the expected outcome: refused, sandbox untouched
+                assert _status(e) == 503, f"{op}: {e!r}\n{srv.log_tail(30)}"
+                assert "killed by the test" in str(e), f"{op}: the reason is not in the error: {e!r}"
+                print(f"{op} with runsc killed mid-checkpoint: refused in {time.monotonic() - t0:.1f}s: "
+                      f"{str(e)[:200]}")
+            else:  # the checkpoint finished anyway: also fine, as long as nothing is lost
+                print(f"{op} with runsc killed mid-checkpoint: succeeded ({done!r})")
+                if op == "pause":
+                    sbx = Sandbox.connect(sbx.sandbox_id, timeout=TIMEOUT_S, **srv.sdk_opts())
+                elif op == "fork":
+                    for c in done:
+                        if isinstance(c, Sandbox):
+                            _kill(srv, c.sandbox_id)
+            _assert_intact(srv, sbx, before, f"after a {op} whose runsc checkpoint was killed")
+        faulty.clear()
+        _pause_resume_works(srv, sbx, before, "runsc killed mid-checkpoint")
+    finally:
+        faulty.clear()
+        _kill(srv, sbx.sandbox_id)
+        for s in Sandbox.list_snapshots(**srv.sdk_opts()).next_items():
+            Sandbox.delete_snapshot(s.snapshot_id, **srv.sdk_opts())
+
+
+@pytest.mark.timeout(300)
+def test_disk_full_during_pause_leaves_sandbox_running(faulty):
+    srv = faulty.srv
+    sbx, before = _prepare(srv)
+    ckpt = srv.data_dir / "sandboxes" / sbx.sandbox_id / "checkpoint"
+    mounted = False
+    try:
+        ckpt.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "agentenv-test-full", str(ckpt)], check=True)
+        mounted = True
+        r = _raw_pause(srv, sbx.sandbox_id)
+        assert r.status_code == 503, (r.status_code, r.text)
+        body = r.json()
+        assert body.get("error_code") == "capture_failed", body
+        assert "no space left on device" in body["message"].lower(), body
+        assert os.path.ismount(ckpt), "the pause removed the full file system's mount point"
+        _assert_intact(srv, sbx, before, "after a pause that hit ENOSPC")
+        subprocess.run(["umount", str(ckpt)], check=True)
+        mounted = False
+        _pause_resume_works(srv, sbx, before, "disk full during pause")
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(ckpt)], check=False)
+        _kill(srv, sbx.sandbox_id)
+
+
+CHURN_PY = r"""
+import os, time
+d = "/home/user/churn"
+os.makedirs(d, exist_ok=True)
+n = 0
+while True:
+    n += 1
+    tmp = os.path.join(d, f"f{n}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(n))
+        time.sleep(0.01)
+    os.replace(tmp, os.path.join(d, "current"))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_capture_image_matches_the_disk_while_files_churn(faulty):
+    """A program that keeps opening, holding and renaming files: the source must come back from its
+    capture, and a fork child too (the image and the disk must describe the same instant)."""
+    srv = faulty.srv
+    sbx, before = _prepare(srv)
+    try:
+        sbx.files.write("/home/user/churn.py", CHURN_PY)
+        sbx.commands.run("python3 /home/user/churn.py >/dev/null 2>&1", background=True).disconnect()
+        time.sleep(0.5)
+        for i in range(4):
+            try:
+                kids = sbx.fork(count=1)
+            except Exception as e:  # noqa: BLE001
+                pytest.fail(f"fork {i} with churning files: {e!r}\n{srv.log_tail(20)}")
+            _assert_intact(srv, sbx, before, f"source after fork {i} with churning files")
+            for k in kids:
+                assert isinstance(k, Sandbox), f"fork {i}: child failed: {k!r}"
+                _kill(srv, k.sandbox_id)
+    finally:
+        _kill(srv, sbx.sandbox_id)
+
+
+@pytest.mark.timeout(420)
+def test_s3_down_during_snapshot_and_pause_publish(faulty):
+    """Last on the shared server: the store goes down, then comes back on the same address."""
+    srv = faulty.srv
+    sbx, before = _prepare(srv)
+    try:
+        faulty.s3.stop()
+        t0 = time.monotonic()
+        with pytest.raises(Exception) as ei:
+            sbx.create_snapshot()
+        print(f"snapshot with S3 down: {time.monotonic() - t0:.1f}s: {str(ei.value)[:300]}")
+        assert _status(ei.value) == 503, repr(ei.value)
+        assert "snapshot store" in str(ei.value), repr(ei.value)
+        _assert_intact(srv, sbx, before, "after a snapshot whose publish failed")
+
+        t0 = time.monotonic()
+        r = _raw_pause(srv, sbx.sandbox_id)
+        print(f"pause with S3 down: {time.monotonic() - t0:.1f}s: {r.status_code} {r.text[:300]}")
+        assert r.status_code == 503, (r.status_code, r.text)
+        assert r.json().get("error_code") == "snapshot_store_unavailable", r.text
+        _assert_intact(srv, sbx, before, "after a pause whose publish failed")
+
+        faulty.s3 = _restart_s3(faulty.s3)
+        assert not Sandbox.list_snapshots(**srv.sdk_opts()).next_items(), "an unpublished snapshot is listed"
+        snap = sbx.create_snapshot()
+        _assert_intact(srv, sbx, before, "after a snapshot with the store back")
+        Sandbox.delete_snapshot(snap.snapshot_id, **srv.sdk_opts())
+        _pause_resume_works(srv, sbx, before, "S3 back")
+    finally:
+        _kill(srv, sbx.sandbox_id)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _runsc_status(data_dir: Path, sid: str) -> str | None:
+    res = subprocess.run(["runsc", f"--root={data_dir / 'run' / 'runsc'}", "state", sid],
+                         capture_output=True, text=True, timeout=20)
+    if res.returncode != 0:
+        return None
+    return json.loads(res.stdout).get("status")
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("when", ["frozen", "journaled", "sealed"])
+def test_server_killed_mid_fork_keeps_source(server, when):
+    """kill -9 of the server's process group mid-fork: `frozen` while the source is frozen for its
+    checkpoint, `journaled` once the checkpoint is written (the source is stopped, its capture
+    journal names the image), `sealed` once the image is sealed and the source is being restored
+    from it. After a restart the source is RUNNING or PAUSED with its state, and no capture
+    journal is left to resurrect an old image later."""
+    d = new_data_dir(f"forkcrash-{when}")
+    key = new_api_key()
+    env = dict(AGENTENV_WARM_START="false")
+    first = second = None
+    pgid = None
+    try:
+        first = start_extra_server(d, api_key=key, env=env, log_name="server-1.log")
+        sbx, before = _prepare(first, mib=200)
+        sid = sbx.sandbox_id
+        sdir = d / "sandboxes" / sid
+        result: dict[str, object] = {}
+
+        def fork() -> None:
+            try:
+                result["ok"] = sbx.fork(count=4, timeout=600, request_timeout=300)
+            except Exception as e:  # noqa: BLE001 - the server dies under it
+                result["error"] = e
+
+        t = threading.Thread(target=fork, daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        landed = None
+        while time.monotonic() < t0 + 60 and landed is None and t.is_alive():
+            if when == "frozen" and _runsc_status(d, sid) == "paused":
+                landed = "source frozen for its checkpoint"
+            elif when == "journaled" and (sdir / "capture.json").exists():
+                landed = "checkpoint written (capture journal present)"
+            elif when == "sealed" and '"memory"' in _read(sdir / "capture.json"):
+                landed = "image sealed, source being restored (journal names the memory image)"
+            else:
+                time.sleep(0.005)
+        pgid = first.pid
+        _kill_group(pgid)
+        first.proc.wait(timeout=30)
+        first.stopped = True
+        took = time.monotonic() - t0
+        assert landed, f"the fault did not land ({when}) within {took:.1f}s: {result}\n{first.log_tail(30)}"
+        print(f"killed the server group {took:.2f}s into the fork: {landed}")
+        t.join(timeout=120)
+
+        second = start_extra_server(d, api_key=key, env=env, log_name="server-2.log")
+        second.known_ids |= first.known_ids
+        o2 = second.sdk_opts()
+        for info in Sandbox.list(**o2).next_items():
+            second.known_ids.add(info.sandbox_id)
+        try:
+            info = Sandbox.get_info(sid, **o2)
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"source {sid} LOST by a server crash mid-fork ({when}): {e!r}\n--- first server ---\n"
+                        f"{first.log_tail(25)}\n--- restarted server ---\n{second.log_tail(40)}")
+        print(f"source after the restart: {info.state}")
+        assert info.state in (SandboxState.RUNNING, SandboxState.PAUSED), info.state
+        if when == "journaled":
+            assert info.state == SandboxState.PAUSED, "a source stopped after its checkpoint must come back paused"
+        assert not (sdir / "capture.json").exists(), "the capture journal outlived the recovery"
+        again = Sandbox.connect(sid, timeout=TIMEOUT_S, **o2)
+        _assert_intact(second, again, before, f"source after a server crash mid-fork ({when})")
+        children = [i.sandbox_id for i in Sandbox.list(**o2).next_items() if i.sandbox_id != sid]
+        print(f"children that survived: {children}")
+        for cid in children + [sid]:
+            _kill(second, cid)
+        problems = second.stop()
+        second = None
+        assert not problems, problems
+    finally:
+        for srv in (second, first):
+            if srv is not None and not srv.stopped:
+                try:
+                    srv.stop(check_leftovers=False)
+                except Exception:  # noqa: BLE001
+                    pass
+        if pgid is not None:
+            _kill_group(pgid)
+        remove_data_dir(d)
+
