@@ -494,3 +494,38 @@ def test_server_killed_mid_fork_keeps_source(server, when):
             _kill_group(pgid)
         remove_data_dir(d)
 
+
+
+@pytest.mark.timeout(300)
+def test_autopause_that_cannot_pause_keeps_running_and_retries(faulty):
+    """autoPause on timeout while checkpoints fail: the sandbox keeps running with its worker, a
+    `failed` pause event says why, and once the fault is gone a retry pauses it with its full state."""
+    srv = faulty.srv
+    since = requests.get(f"{srv.url}/events?tail=1", headers=srv.headers(), timeout=30).json()["lastSeq"]
+    faulty.inject("refuse")
+    sbx = Sandbox.create(timeout=TIMEOUT_S, lifecycle={"on_timeout": "pause"}, **srv.sdk_opts())
+    srv.known_ids.add(sbx.sandbox_id)
+    try:
+        sbx.files.write(f"{WORK}/before.txt", MARKER)
+        before = setup_worker(sbx, 16)
+        sbx.set_timeout(2)  # expires now: the reaper tries to pause it, and the checkpoint is refused
+        deadline = time.monotonic() + 90
+        failed: list[dict] = []
+        while not failed:
+            assert time.monotonic() < deadline, f"no failed pause event\n{srv.log_tail(30)}"
+            time.sleep(1)
+            evs = requests.get(f"{srv.url}/events?since={since}&sandboxID={sbx.sandbox_id}", headers=srv.headers(),
+                               timeout=30).json()["events"]
+            failed = [e for e in evs if e["type"] == "failed" and e.get("operation") == "pause"]
+        assert "injected" in failed[0].get("message", ""), failed[0]
+        _assert_intact(srv, sbx, before, "after a refused autoPause")
+        faulty.clear()
+        deadline = time.monotonic() + 90
+        while Sandbox.get_info(sbx.sandbox_id, **srv.sdk_opts()).state != SandboxState.PAUSED:
+            assert time.monotonic() < deadline, f"autoPause was not retried\n{srv.log_tail(30)}"
+            time.sleep(1)
+        again = Sandbox.connect(sbx.sandbox_id, timeout=TIMEOUT_S, **srv.sdk_opts())
+        _assert_intact(srv, again, before, "resumed after the retried autoPause")
+    finally:
+        faulty.clear()
+        _kill(srv, sbx.sandbox_id)
