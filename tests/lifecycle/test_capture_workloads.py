@@ -147,6 +147,17 @@ def get_json(server, sbx_id: str, port: int, path: str = "/count", limit: float 
         time.sleep(0.3)
 
 
+def get_hello(server, sbx_id: str, limit: float = 60) -> str:
+    """GET /hello.txt from the HTTP/1.0 server, once it listens (502 until then)."""
+    deadline = time.monotonic() + limit
+    while True:
+        r = requests.get(f"{server.sandbox_url}/hello.txt", headers=route(sbx_id, HTTP10_PORT), timeout=30)
+        if r.status_code == 200:
+            return r.text
+        assert time.monotonic() < deadline, f"http.server of {sbx_id} never answered: {r.status_code} {r.text[:200]}"
+        time.sleep(0.3)
+
+
 class WebSocketThroughProxy:
     """A minimal RFC 6455 client over a plain socket to the proxy (the sandbox answers the upgrade)."""
 
@@ -215,8 +226,7 @@ def start_workloads(sbx: Sandbox, server, outside: str) -> dict:
         sbx.commands.run(cmd, background=True).disconnect()
     before = {"async": get_json(server, sbx.sandbox_id, ASYNC_PORT), "node": get_json(server, sbx.sandbox_id, NODE_PORT)}
     # TIME_WAIT inside the sandbox: HTTP/1.0 http.server closes the connection first.
-    r = requests.get(f"{server.sandbox_url}/hello.txt", headers=route(sbx.sandbox_id, HTTP10_PORT), timeout=30)
-    assert r.status_code == 200 and r.text == "hello\n"
+    assert get_hello(server, sbx.sandbox_id) == "hello\n"
     # Held connections: loopback inside the sandbox, outbound to the test host, inbound WebSocket.
     sbx.commands.run(f"exec python3 {WORK}/holder.py 127.0.0.1 {ASYNC_PORT} {WORK}/loopback 1",
                      background=True).disconnect()
@@ -245,8 +255,7 @@ def assert_servers_continue(server, sbx: Sandbox, before: dict, what: str) -> No
         got = get_json(server, sbx.sandbox_id, port)
         assert got["pid"] == before[name]["pid"], f"{what}: {name} server is another process: {got}"
         assert got["count"] > before[name]["count"], f"{what}: {name} server lost its state: {got} vs {before[name]}"
-    r = requests.get(f"{server.sandbox_url}/hello.txt", headers=route(sbx.sandbox_id, HTTP10_PORT), timeout=30)
-    assert r.status_code == 200 and r.text == "hello\n", f"{what}: http.server: {r.status_code}"
+    assert get_hello(server, sbx.sandbox_id) == "hello\n", f"{what}: http.server"
     ws = WebSocketThroughProxy(server, sbx.sandbox_id)
     try:
         got = ws.echo(what)
