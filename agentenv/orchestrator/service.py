@@ -293,16 +293,11 @@ class Orchestrator:
             journal = json.loads(self._capture_journal(sid).read_text())
         except (OSError, ValueError):
             return False
-        ckpt = self._checkpoint_dir(sid)
-        shutil.rmtree(ckpt, ignore_errors=True)
+        image = Path(journal["image"]) if journal.get("image") else None
+        if not journal.get("memory") and not (image and image.is_dir()):
+            return False
         try:
-            if journal.get("memory"):
-                await asyncio.to_thread(shutil.copytree, self.artifacts.memory_dir(journal["memory"]), ckpt,
-                                        copy_function=os.link)
-            elif journal.get("image") and Path(journal["image"]).is_dir():
-                os.replace(journal["image"], ckpt)
-            else:
-                return False
+            await self._image_as_pause(sid, image, journal.get("memory"))
         except OSError as e:
             log.error("could not recover the interrupted capture of %s: %s", sid, e)
             return False
@@ -858,10 +853,11 @@ class Orchestrator:
         return any(c["state"] != "TIME_WAIT" for c in conns)
 
     async def _checkpoint(self, rec: SandboxRecord, image_dir: Path) -> None:
-        """Checkpoint a running sandbox into `image_dir` and stop it; never loses it.
+        """Checkpoint a running sandbox into `image_dir` and stop it.
 
         If the runtime cannot take the image and the sandbox still runs, raise Unavailable (503)
-        with the reason: nothing happened. Only a sandbox that died on the way is lost.
+        with the reason: nothing happened. Any other error means the sandbox died on the way (the
+        caller decides what that costs: `_lose` for a user's sandbox).
         """
         sid = rec.sandbox_id
         rt = self.runtime_for(sid)
@@ -878,7 +874,7 @@ class Orchestrator:
                 log.warning("checkpoint of %s refused, sandbox untouched: %s", sid, msg)
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
-            raise await self._lose(rec, e) from e
+            raise
         boot_id = self.paths.sandbox_dir(sid) / BOOT_ID_FILE
         try:  # the boot this image continues (`_write_boot_id`); without it a restore is a new boot_id
             if boot_id.is_file():
@@ -1004,10 +1000,6 @@ class Orchestrator:
             except Unavailable:
                 rec.state = SandboxState.RUNNING
                 raise
-            except AgentEnvError as e:
-                if e.error_code == "sandbox_lost":
-                    raise
-                raise await self._lose(rec, e) from e
             except Exception as e:  # noqa: BLE001
                 raise await self._lose(rec, e) from e
             await self._release_slot(sandbox_id)
@@ -1040,8 +1032,7 @@ class Orchestrator:
         try:
             # its own remaining time (at least 10 s: an expired autoPause sandbox retries the pause)
             await self._resume_admitted(rec, max(10, int((rec.end_at - utcnow()).total_seconds())))
-        except Exception as e:  # noqa: BLE001
-            rec.state, rec.pause_mode = SandboxState.PAUSED, "full"
+        except Exception as e:  # noqa: BLE001 - `_resume_admitted` left it PAUSED with its image
             await self.store.put_sandbox(rec)
             raise RuntimeFailure(f"Sandbox {sid} is paused on this node only (its state could not be "
                                  f"published: {why}; resuming it failed: {e})", error_code="publish_failed") from e
@@ -1179,7 +1170,12 @@ class Orchestrator:
         shutil.rmtree(tmp_image, ignore_errors=True)
         slot = self._slots[sid]
         t0 = time.monotonic()
-        await self._checkpoint(rec, tmp_image)  # Unavailable: nothing happened, the caller resets the state
+        try:
+            await self._checkpoint(rec, tmp_image)
+        except Unavailable:  # nothing happened: the caller resets the state
+            raise
+        except Exception as e:  # noqa: BLE001 - the source died under the checkpoint
+            raise await self._lose(rec, e) from e
         t_ckpt = time.monotonic() - t0
         mem: str | None = None
         try:
@@ -1221,20 +1217,25 @@ class Orchestrator:
             await self.rootfs.unmount(sid)
         except Exception:  # noqa: BLE001
             log.exception("unmount of %s failed", sid)
-        ckpt = self._checkpoint_dir(sid)
-        shutil.rmtree(ckpt, ignore_errors=True)
         try:
-            if mem is not None:  # the sealed image stays in the artifact cache: link a copy as the pause
-                await asyncio.to_thread(shutil.copytree, self.artifacts.memory_dir(mem), ckpt,
-                                        copy_function=os.link)
-            else:
-                os.replace(image, ckpt)
+            await self._image_as_pause(sid, image, mem)
         except OSError as e:
             raise await self._lose(rec, e) from e
         rec.state, rec.pause_mode = SandboxState.PAUSED, "full"
         await self.store.put_sandbox(rec)
         return RuntimeFailure(f"Sandbox {sid} was captured but could not be restarted ({why}); it is paused "
                               "with its full state: resume it", error_code="sandbox_parked")
+
+    async def _image_as_pause(self, sandbox_id: str, image: Path | None, mem: str | None) -> None:
+        """Make a capture's image the sandbox's pause checkpoint: the sealed memory artifact `mem`
+        (it stays in the cache: hard-linked) or else the unsealed image dir (moved)."""
+        ckpt = self._checkpoint_dir(sandbox_id)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        if mem is not None:
+            await asyncio.to_thread(shutil.copytree, self.artifacts.memory_dir(mem), ckpt, copy_function=os.link)
+        else:
+            assert image is not None
+            os.replace(image, ckpt)
 
     async def _stop_quietly(self, sandbox_id: str) -> None:
         try:

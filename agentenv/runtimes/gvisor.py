@@ -301,28 +301,16 @@ class GVisorRuntime:
             finally:
                 await asyncio.shield(self.stop(sandbox_id))
             return
+        await self._save_frozen(sandbox_id, image_dir, reset_connections, netns_path, log_file)
         # stopped while still frozen: a thawed sandbox would change its disk after the image
         # (files it holds open renamed or deleted), and the image would not restore on that disk
-        await self.save(sandbox_id, image_dir, reset_connections=reset_connections,
-                        netns_path=netns_path, log_file=log_file, thaw=False)
         await asyncio.shield(self.stop(sandbox_id))
 
-    async def save(self, sandbox_id: str, image_dir: Path, *, reset_connections: bool = False,
-                   netns_path: str | None = None, log_file: Path | None = None, thaw: bool = True) -> None:
-        """Write the memory image and leave the sandbox running (runsc >= 20240729 only).
-
-        `thaw=False`: leave it frozen after a successful save (the caller stops it).
-
-        The sandbox is frozen while the image is written, so the image and the files on its disk
-        describe the same instant; a failure resumes it and raises `CaptureRefused`.
-        """
-        if not self.modern:
-            raise RuntimeFailure(f"runsc release older than {MIN_RELEASE} cannot checkpoint a running sandbox")
-        netns_path = netns_path or await self._netns_of(sandbox_id)
-        if log_file is None:
-            st = await self._state(sandbox_id)
-            log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
-        image_dir.mkdir(parents=True, exist_ok=True)
+    async def _save_frozen(self, sandbox_id: str, image_dir: Path, reset_connections: bool, netns_path: str,
+                           log_file: Path | None) -> None:
+        """Freeze the sandbox and write its memory image with `--leave-running`: on success it is left
+        frozen (the image and its disk describe the same instant); a failure thaws it and raises
+        `CaptureRefused` (or RuntimeFailure if it died)."""
         compression = f"--compression={self.settings.runsc_compression}"
         if reset_connections:
             # A throw-away checkpoint while the sandbox runs: --net-disconnect-ok resets every TCP
@@ -345,8 +333,6 @@ class GVisorRuntime:
                                 output_file=log_file, check=False)
         if res.returncode != 0:
             await self._refused(sandbox_id, log_file, "writing its memory image", frozen=True, image_dir=image_dir)
-        if thaw:  # --leave-running restarts a paused container paused: thaw it for the caller
-            await self._runsc("resume", sandbox_id, check=False)
         (image_dir / IMAGE_INFO).write_text(json.dumps({
             "runsc_release": self.platform_choice.runsc_version if self.platform_choice else "",
             "platform": self.platform}))
