@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from agentenv.api import schemas
 from agentenv.api.auth import ApiKeyAuth
+from agentenv.api.compat import compat_routes, refuse_unsupported_create
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord
@@ -326,6 +327,7 @@ class _Handlers:
 
     async def _create(self, request: web.Request, body: schemas.NewSandboxV2, *, timeout: int,
                       secure: bool) -> web.Response:
+        refuse_unsupported_create(body)
         rec = await self.orch.create_sandbox(
             team_id=request[_TEAM],
             template=body.template_id,
@@ -624,6 +626,9 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("GET", "/templates/{templateID}/builds/{buildID}/status", h.template_build_status)
     add("GET", "/templates/aliases/{alias}", h.template_alias)
     add("GET", "/templates/{templateID}/tags", h.list_tags)
+    # E2B routes beyond the core (docs/e2b-compatibility.md)
+    for method, path, handler in compat_routes(orchestrator, lambda request: request[_TEAM]):
+        add(method, path, handler)
 
     app[API_CONTEXT] = ctx
     app.middlewares.append(_make_middleware(ctx))

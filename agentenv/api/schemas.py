@@ -61,6 +61,11 @@ class NewSandboxV2(_Body):
     network: NetworkConfig | None = None
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    # Accepted as E2B does: `mcp` is only recorded (the SDK starts the gateway itself); a create with
+    # volume mounts or workload-identity tokens is refused (agentenv/api/compat.py).
+    mcp: dict[str, Any] | None = None
+    volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
+    iam: dict[str, Any] | None = None
 
 
 class NewSandbox(NewSandboxV2):

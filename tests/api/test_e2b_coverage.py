@@ -1,0 +1,209 @@
+"""E2B routes beyond the core (agentenv/api/compat.py), through the Python SDK and its generated client.
+
+Checked against the REAL server (session fixture `server`); HTTP answers are validated against
+openapi.yaml by the `SpecClient` of tests/api/conftest.py. One small template is built per module.
+See docs/e2b-compatibility.md for the audit these close gaps of.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+
+import pytest
+import requests
+from e2b import InvalidArgumentException, Sandbox, Secret, Template, Volume
+from e2b.api import ApiClient
+from e2b.api.client.api.tags import get_templates_template_id_tags_count, get_templates_template_id_tags_exists
+from e2b.api.client.api.templates import (get_default_templates, get_templates_template_id_builds_build_id_logs,
+                                          get_v2_templates)
+from e2b.api.client.models import LogLevel, LogsDirection
+from e2b.connection_config import ConnectionConfig
+from e2b.exceptions import SandboxException
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _ms(ts: datetime) -> int:
+    return int(ts.timestamp() * 1000)
+
+
+@pytest.fixture(scope="module")
+def api(server, make_spec_client):
+    return make_spec_client(server.api_url, server.api_key)
+
+
+@pytest.fixture(scope="module")
+def sdk_client(server) -> ApiClient:
+    return ApiClient(ConnectionConfig(api_key=server.api_key, api_url=server.api_url))
+
+
+@pytest.fixture(scope="module")
+def built(server):
+    """A template built through the SDK with a second tag; deleted afterwards."""
+    name = f"cov-{secrets.token_hex(4)}"
+    marker = secrets.token_hex(6)
+    template = Template().from_base_image().run_cmd(f"echo coverage-{marker}").run_cmd("echo second-step")
+    info = Template.build(template, name, tags=["default", "v1"])
+    yield {"name": name, "marker": marker, "info": info}
+    requests.delete(f"{server.api_url}/templates/{info.template_id}", headers={"X-API-KEY": server.api_key},
+                    timeout=60)
+
+
+# --- template build logs ------------------------------------------------------------------------------
+
+
+def test_build_logs_match_the_status_entries(built, sdk_client, api):
+    info = built["info"]
+    status = api.request_sync("GET", f"/templates/{info.template_id}/builds/{info.build_id}/status").json()
+    res = get_templates_template_id_builds_build_id_logs.sync_detailed(info.template_id, info.build_id,
+                                                                       client=sdk_client)
+    assert res.status_code == 200, res.content
+    logs = res.parsed.logs
+    assert 0 < len(logs) <= 100
+    assert [e.message for e in logs] == [e["message"] for e in status["logEntries"][:100]]
+    assert any(f"coverage-{built['marker']}" in e.message for e in logs), [e.message for e in logs]
+    stamps = [e.timestamp for e in logs]
+    assert stamps == sorted(stamps)
+
+
+def test_build_logs_backward_limit_cursor_and_level(built, sdk_client):
+    info = built["info"]
+
+    def page(**kw):
+        res = get_templates_template_id_builds_build_id_logs.sync_detailed(info.template_id, info.build_id,
+                                                                           client=sdk_client, **kw)
+        assert res.status_code == 200, res.content
+        return res.parsed.logs
+
+    forward = page()
+    backward = page(direction=LogsDirection.BACKWARD, limit=3)
+    assert [e.message for e in backward] == [e.message for e in reversed(forward)][:3]
+    last = forward[-1]
+    after = page(cursor=_ms(last.timestamp))
+    assert after and all(_ms(e.timestamp) >= _ms(last.timestamp) for e in after)
+    assert after[-1].message == last.message
+    assert page(limit=0) == []
+    errors = page(level=LogLevel.ERROR)
+    assert all(e.level.value == "error" for e in errors)
+
+
+def test_build_logs_bad_query_and_unknown_build(built, api):
+    info = built["info"]
+    base = f"/templates/{info.template_id}/builds"
+    for params in ({"direction": "sideways"}, {"level": "loud"}, {"limit": "101"}, {"cursor": "-1"},
+                   {"source": "cloud"}):
+        r = api.request_sync("GET", f"{base}/{info.build_id}/logs", params=params)
+        assert r.status_code == 400, (params, r.text)
+    r = api.request_sync("GET", f"{base}/00000000-0000-4000-8000-000000000000/logs")
+    assert r.status_code == 404, r.text
+
+
+# --- tags -----------------------------------------------------------------------------------------
+
+
+def test_tag_count_and_exists(built, sdk_client, api):
+    info = built["info"]
+    count = get_templates_template_id_tags_count.sync_detailed(info.template_id, client=sdk_client)
+    assert count.status_code == 200, count.content
+    listed = api.request_sync("GET", f"/templates/{info.template_id}/tags").json()
+    assert {t["tag"] for t in listed} == {"default", "v1"}
+    assert count.parsed.total == 2
+
+    def exists(tag: str) -> bool:
+        res = get_templates_template_id_tags_exists.sync_detailed(info.template_id, client=sdk_client, tag=tag)
+        assert res.status_code == 200, res.content
+        assert res.parsed.normalized_tag == tag
+        return res.parsed.exists
+
+    assert exists("v1") is True
+    assert exists("default") is True
+    assert exists("v2") is False
+    # the count follows tag changes made through the SDK
+    Template.assign_tags(f"{built['name']}:v1", "v2")
+    assert exists("v2") is True
+    assert get_templates_template_id_tags_count.sync_detailed(info.template_id, client=sdk_client).parsed.total == 3
+    assert api.request_sync("GET", f"/templates/{info.template_id}/tags/exists").status_code == 400
+    assert api.request_sync("GET", f"/templates/nope-{secrets.token_hex(3)}/tags/count").status_code == 404
+
+
+# --- template lists -------------------------------------------------------------------------------
+
+
+def test_v2_templates_pages_cover_the_v1_list(built, sdk_client, api):
+    everything = {t["templateID"] for t in api.request_sync("GET", "/templates").json()}
+    assert built["info"].template_id in everything
+    seen: list[str] = []
+    token = None
+    while True:
+        res = get_v2_templates.sync_detailed(client=sdk_client, limit=1, **({"next_token": token} if token else {}))
+        assert res.status_code == 200, res.content
+        assert len(res.parsed) <= 1
+        seen += [t.template_id for t in res.parsed]
+        token = res.headers.get("X-Next-Token")
+        if not token:
+            break
+    assert len(seen) == len(set(seen)) and set(seen) == everything
+    assert api.request_sync("GET", "/v2/templates", params={"nextToken": "garbage!"}).status_code == 400
+    api.request_sync("GET", "/v2/templates", params={"limit": 2})  # validated against the spec
+
+
+def test_default_templates_are_the_built_in_ones(built, sdk_client):
+    res = get_default_templates.sync_detailed(client=sdk_client)
+    assert res.status_code == 200, res.content
+    ids = [t.template_id for t in res.parsed]
+    assert ids == sorted(ids)
+    assert any("base" in t.aliases for t in res.parsed)
+    assert built["info"].template_id not in ids
+    assert all(t.is_default is True for t in res.parsed)
+    # and a sandbox starts from the first of them
+    sbx = Sandbox.create(res.parsed[0].template_id, timeout=60)
+    try:
+        assert sbx.commands.run("echo up").stdout.strip() == "up"
+    finally:
+        sbx.kill()
+
+
+# --- volumes and secrets: honest answers ----------------------------------------------------------
+
+
+def test_volumes_list_empty_create_is_501_unknown_is_404(server, api):
+    opts = {"api_key": server.api_key, "api_url": server.api_url}
+    assert Volume.list(**opts) == []
+    with pytest.raises(Exception) as exc:
+        Volume.create(f"vol-{secrets.token_hex(3)}", **opts)
+    assert "501" in str(exc.value) and "volumes are not supported" in str(exc.value).lower()
+    r = api.request_sync("POST", "/volumes", json={"name": "x"})
+    assert r.status_code == 501 and r.json()["error_code"] == "not_supported"
+    assert api.request_sync("GET", "/volumes/vol123").status_code == 404
+    assert api.request_sync("DELETE", "/volumes/vol123").status_code == 404
+
+
+def test_secrets_list_empty_create_is_501_unknown_is_404(server, api):
+    opts = {"api_key": server.api_key, "api_url": server.api_url}
+    pages = Secret.list(**opts)
+    assert pages.next_items() == [] and not pages.has_next
+    with pytest.raises(Exception) as exc:
+        Secret.create(f"sec-{secrets.token_hex(3)}", "value", **opts)
+    assert "501" in str(exc.value) and "secrets are not supported" in str(exc.value).lower()
+    for method in ("GET", "POST", "DELETE"):
+        assert api.request_sync(method, "/secrets/sec_123", json={"value": "v"}).status_code == 404
+
+
+def test_create_with_volume_mounts_or_iam_tokens_is_refused_before_starting(api):
+    before = {s["sandboxID"] for s in api.request_sync("GET", "/v2/sandboxes").json()}
+    with pytest.raises((InvalidArgumentException, SandboxException)) as exc:
+        Sandbox.create("base", timeout=60, volume_mounts={"/data": "my-volume"})
+    assert "volumes are not supported" in str(exc.value)
+    r = api.request_sync("POST", "/v2/sandboxes", json={
+        "templateID": "base", "iam": {"tokens": {"gcp": {"audience": "x", "tokenType": "id"}}}})
+    assert r.status_code == 400 and r.json()["error_code"] == "not_supported", r.text
+    after = {s["sandboxID"] for s in api.request_sync("GET", "/v2/sandboxes").json()}
+    assert after <= before
+
+
+def test_mcp_field_is_accepted(api):
+    r = api.request_sync("POST", "/v2/sandboxes", json={"templateID": "base", "timeout": 60,
+                                                        "mcp": {"exa": {"apiKey": "k"}}})
+    assert r.status_code == 201, r.text
+    api.request_sync("DELETE", f"/sandboxes/{r.json()['sandboxID']}")
