@@ -508,6 +508,21 @@ class _Handlers:
         await self.orch.delete_snapshot(template_id, team_id=request[_TEAM])
         return web.Response(status=204)
 
+    async def update_template(self, request: web.Request) -> web.Response:
+        """E2B's template update (`e2b template publish`/`unpublish`): only `public: false` can be honoured.
+
+        Templates are private to the team that built them (built-in ones are public to all); sharing a
+        built template with other teams is not supported, so publishing is refused with a clear error.
+        """
+        body = await _body(request, schemas.TemplateUpdateRequest, required=True)
+        tmpl, _ = await self.orch.templates.get_template(request.match_info["templateID"], request[_TEAM])
+        if tmpl.team_id is None:
+            raise Forbidden(f"template '{tmpl.template_id}' is built in (public to every team) and cannot be changed")
+        if body.public:
+            raise BadRequest("publishing a template is not supported by agentenv: a built template is private to "
+                             "the team that built it (see docs/limitations.md)", error_code="template_publish_unsupported")
+        return web.json_response({"names": list(tmpl.aliases)})
+
 
 # --- middleware -----------------------------------------------------------------------------------
 
@@ -614,6 +629,8 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("POST", "/templates/tags", h.assign_tags)
     add("DELETE", "/templates/tags", h.delete_tags)
     add("DELETE", "/templates/{templateID}", h.delete_template)
+    add("PATCH", "/templates/{templateID}", h.update_template)
+    add("PATCH", "/v2/templates/{templateID}", h.update_template)
     add("GET", "/teams", h.list_teams)
     add("GET", "/api-keys", h.list_api_keys)
     add("POST", "/api-keys", h.create_api_key)

@@ -189,6 +189,12 @@ class AssignTemplateTagsRequest(_Body):
     tags: list[str] = Field(min_length=1)
 
 
+class TemplateUpdateRequest(_Body):
+    """PATCH /templates/{id} and /v2/templates/{id} (the E2B CLI's `template publish`/`unpublish`)."""
+
+    public: bool | None = None
+
+
 class DeleteTemplateTagsRequest(_Body):
     name: str = Field(min_length=1)
     tags: list[str] = Field(min_length=1)

@@ -56,6 +56,8 @@ EXPECTED = {
     ("post", "/templates/tags"): {"201"},
     ("delete", "/templates/tags"): {"204"},
     ("get", "/templates/{templateID}/tags"): {"200"},
+    ("patch", "/templates/{templateID}"): {"200"},
+    ("patch", "/v2/templates/{templateID}"): {"200"},
 }
 # E2B routes beyond the core (agentenv/api/compat.py): volumes and secrets exist only as honest
 # answers (empty lists, 404, 501 on create), so some declare no success status.
