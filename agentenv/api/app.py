@@ -29,7 +29,8 @@ from pydantic import BaseModel, ValidationError
 from agentenv.api import sandbox_list, schemas
 from agentenv.api.auth import ApiKeyAuth
 from agentenv.api.sandbox_list import parse_metadata_filter
-from agentenv.api.compat import compat_routes, refuse_unsupported_create
+from agentenv.api.compat import (IdempotentCreates, compat_routes, refuse_memoryless_resume,
+                                 refuse_unsupported_create)
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord
@@ -196,6 +197,7 @@ class _Handlers:
         self.ctx = ctx
         self.orch = ctx.orchestrator
         self.settings = ctx.settings
+        self.creates = IdempotentCreates()
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -299,6 +301,12 @@ class _Handlers:
     async def _create(self, request: web.Request, body: schemas.NewSandboxV2, *, timeout: int,
                       secure: bool) -> web.Response:
         refuse_unsupported_create(body)
+        fingerprint = self.creates.fingerprint(request, body, timeout=timeout, secure=secure)
+        return await self.creates.run(request, request[_TEAM], fingerprint, functools.partial(
+            self._start_sandbox, request, body, timeout=timeout, secure=secure))
+
+    async def _start_sandbox(self, request: web.Request, body: schemas.NewSandboxV2, *, timeout: int,
+                             secure: bool) -> web.Response:
         rec = await self.orch.create_sandbox(
             team_id=request[_TEAM],
             template=body.template_id,
@@ -371,7 +379,9 @@ class _Handlers:
         await self.orch.refresh(request.match_info["sandboxID"], body.duration, team_id=request[_TEAM])
         return web.Response(status=204)
 
-    async def _connect(self, request: web.Request, timeout: int) -> web.Response:
+    async def _connect(self, request: web.Request, timeout: int, memory: bool | None = None) -> web.Response:
+        if memory is False:
+            refuse_memoryless_resume(await self.orch.get_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM]))
         rec, resumed = await self.orch.connect_sandbox(
             request.match_info["sandboxID"], _check_timeout(timeout, self.settings), team_id=request[_TEAM]
         )
@@ -379,11 +389,12 @@ class _Handlers:
 
     async def connect_v1(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.ConnectSandbox, required=True)
-        return await self._connect(request, body.timeout)
+        return await self._connect(request, body.timeout, body.memory)
 
     async def connect_v2(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.ConnectSandboxV2, required=False)
-        return await self._connect(request, self.settings.default_timeout_s if body.timeout is None else body.timeout)
+        return await self._connect(request, self.settings.default_timeout_s if body.timeout is None else body.timeout,
+                                   body.memory)
 
     async def resume(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.ResumedSandbox, required=False)
@@ -392,6 +403,8 @@ class _Handlers:
         rec = await self.orch.get_sandbox(sandbox_id, team_id=request[_TEAM])
         if rec.state.public == "running":
             raise Conflict(f"Sandbox {sandbox_id} is already running")
+        if body.memory is False:
+            refuse_memoryless_resume(rec)
         rec, _ = await self.orch.connect_sandbox(sandbox_id, timeout, team_id=request[_TEAM])
         return web.json_response(schemas.sandbox_json(rec, self.settings), status=201)
 

@@ -13,9 +13,13 @@ observability ones.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import hashlib
 import json
+import re
+import time
 from datetime import datetime
 from typing import Any, Awaitable, Callable
 
@@ -23,7 +27,7 @@ from aiohttp import web
 
 from agentenv.api import schemas
 from agentenv.errors import AgentEnvError, BadRequest, NotFound
-from agentenv.models import BuildStatus, TemplateBuildRecord, TemplateRecord
+from agentenv.models import BuildStatus, SandboxRecord, TemplateBuildRecord, TemplateRecord
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 TeamOf = Callable[[web.Request], str]
@@ -218,3 +222,77 @@ def refuse_unsupported_create(body: schemas.NewSandboxV2) -> None:
     if body.iam and body.iam.get("tokens"):
         raise BadRequest("iam.tokens: workload identity tokens are not supported by this deployment",
                          error_code=NOT_SUPPORTED)
+
+
+def refuse_memoryless_resume(rec: SandboxRecord) -> None:
+    """`memory: false` on connect/resume (the SDK's `on_resume="reboot"`) asks for a cold boot from the
+    disk of a sandbox paused with its memory. The orchestrator cannot do that yet; E2B's rule is to refuse
+    where the capability is off, never to restore the memory instead. A running sandbox or a
+    filesystem-only pause makes it a no-op, as in E2B."""
+    if rec.state.public == "paused" and rec.pause_mode != "filesystem":
+        raise BadRequest(f"memory=false (resume from disk only, cold boot) is not supported by this deployment for "
+                         f"sandbox {rec.sandbox_id}, which was paused with its memory: resume it with its memory",
+                         error_code=NOT_SUPPORTED)
+
+
+IDEMPOTENCY_TTL_S = 24 * 3600
+_IDEMPOTENCY_KEY = re.compile(r"^[a-z0-9-]{1,255}$")
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+class IdempotentCreates:
+    """`Idempotency-Key` on sandbox creates (the Python SDK's `idempotency_key`, reused by its retries).
+
+    The first create with a key runs; a repeat within a day with the same request answers that create's
+    result (201, same sandbox) instead of starting another, and one that arrives while the first is still
+    running waits for it. The same key with a different request is a 422. A failed create frees the key,
+    so a retry really retries. Kept in memory: a server restart forgets the keys.
+    """
+
+    def __init__(self, ttl_s: float = IDEMPOTENCY_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._seen: dict[tuple[str, str], tuple[float, str, asyncio.Future[tuple[int, bytes]]]] = {}
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for k in [k for k, (until, _, fut) in self._seen.items() if until < now and fut.done()]:
+            del self._seen[k]
+
+    @staticmethod
+    def fingerprint(request: web.Request, body: schemas.NewSandboxV2, **effective: Any) -> str:
+        """What makes two creates the same request: the path and the parsed body with the defaults the
+        handler applied (so an SDK spelling out defaults and a client omitting them match)."""
+        fields = {k: v for k, v in body.model_dump().items() if v not in (None, {}, [])}
+        raw = json.dumps([request.path, fields, effective], sort_keys=True, default=str)
+        return hashlib.sha256(raw.encode()).hexdigest()
+
+    async def run(self, request: web.Request, team: str, fingerprint: str,
+                  create: Callable[[], Awaitable[web.Response]]) -> web.Response:
+        key = request.headers.get(IDEMPOTENCY_HEADER)
+        if key is None:
+            return await create()
+        if not _IDEMPOTENCY_KEY.match(key):
+            raise BadRequest(f"Invalid {IDEMPOTENCY_HEADER}: expected 1-255 lowercase letters, digits or hyphens")
+        self._expire()
+        seen = self._seen.get((team, key))
+        if seen is not None:
+            if seen[1] != fingerprint:
+                raise AgentEnvError(f"{IDEMPOTENCY_HEADER} {key!r} was already used with a different request",
+                                    status=422, error_code="idempotency_key_reused")
+            status, body = await asyncio.shield(seen[2])
+            return web.Response(status=status, body=body, content_type="application/json",
+                                headers={"Idempotent-Replayed": "true"})
+        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        self._seen[(team, key)] = (time.monotonic() + self.ttl_s, fingerprint, fut)
+        try:
+            resp = await create()
+        except BaseException as exc:
+            del self._seen[(team, key)]
+            if isinstance(exc, Exception):
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: no "never retrieved" warning when nobody waited
+            else:
+                fut.cancel()
+            raise
+        fut.set_result((resp.status, bytes(resp.body)))
+        return resp

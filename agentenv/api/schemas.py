@@ -255,6 +255,8 @@ def sandbox_detail_json(rec: SandboxRecord, settings: Settings) -> dict[str, Any
         out["envdAccessToken"] = rec.envd_access_token
     if rec.network is not None:
         out["network"] = rec.network
+    if rec.state.value == "paused" and rec.pause_mode in ("full", "filesystem"):
+        out["pauseMode"] = rec.pause_mode  # what the pause saved (omitted while pausing, as in E2B)
     return out
 
 

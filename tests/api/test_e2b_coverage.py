@@ -207,3 +207,96 @@ def test_mcp_field_is_accepted(api):
                                                         "mcp": {"exa": {"apiKey": "k"}}})
     assert r.status_code == 201, r.text
     api.request_sync("DELETE", f"/sandboxes/{r.json()['sandboxID']}")
+
+
+# --- pause mode and resume without memory -------------------------------------------------------------
+
+
+def test_pause_mode_and_memoryless_resume(api, server):
+    sid = api.request_sync("POST", "/v2/sandboxes", json={"templateID": "base", "timeout": 180}).json()["sandboxID"]
+    try:
+        assert "pauseMode" not in api.request_sync("GET", f"/sandboxes/{sid}").json()
+        # running: memory=false is a no-op, as in E2B
+        r = api.request_sync("POST", f"/v2/sandboxes/{sid}/connect", json={"timeout": 180, "memory": False})
+        assert r.status_code == 200, r.text
+        assert api.request_sync("POST", f"/sandboxes/{sid}/pause").status_code == 204
+        detail = api.request_sync("GET", f"/sandboxes/{sid}").json()
+        assert detail["state"] == "paused" and detail["pauseMode"] == "full"
+        # paused with memory: a cold boot from disk is refused, never silently replaced by a memory restore
+        with pytest.raises(Exception) as exc:
+            Sandbox.connect(sid, on_resume="reboot", api_key=server.api_key, api_url=server.api_url)
+        assert "not supported" in str(exc.value), exc.value
+        for path, body in ((f"/sandboxes/{sid}/connect", {"timeout": 180, "memory": False}),
+                           (f"/sandboxes/{sid}/resume", {"memory": False})):
+            r = api.request_sync("POST", path, json=body)
+            assert r.status_code == 400 and r.json()["error_code"] == "not_supported", r.text
+        assert api.request_sync("GET", f"/sandboxes/{sid}").json()["state"] == "paused"
+        # a plain resume restores it with its memory
+        sbx = Sandbox.connect(sid, api_key=server.api_key, api_url=server.api_url)
+        sbx.commands.run("echo kept > /home/user/kept.txt")
+        # a filesystem-only pause: memory=false is then what the resume does anyway
+        assert api.request_sync("POST", f"/sandboxes/{sid}/pause", json={"memory": False}).status_code == 204
+        assert api.request_sync("GET", f"/sandboxes/{sid}").json()["pauseMode"] == "filesystem"
+        sbx = Sandbox.connect(sid, on_resume="reboot", api_key=server.api_key, api_url=server.api_url)
+        assert sbx.files.read("/home/user/kept.txt").strip() == "kept"
+        assert "pauseMode" not in api.request_sync("GET", f"/sandboxes/{sid}").json()
+    finally:
+        api.request_sync("DELETE", f"/sandboxes/{sid}")
+
+
+# --- Idempotency-Key --------------------------------------------------------------------------------
+
+
+def _running(api) -> set[str]:
+    return {s["sandboxID"] for s in api.request_sync("GET", "/v2/sandboxes").json()}
+
+
+def test_idempotency_key_returns_the_same_sandbox(api, server):
+    key = f"cov-{secrets.token_hex(8)}"
+    opts = {"api_key": server.api_key, "api_url": server.api_url}
+    before = _running(api)
+    first = Sandbox.create("base", timeout=120, idempotency_key=key, **opts)
+    try:
+        again = Sandbox.create("base", timeout=120, idempotency_key=key, **opts)
+        assert again.sandbox_id == first.sandbox_id
+        assert again.commands.run("echo same").stdout.strip() == "same"
+        assert _running(api) - before == {first.sandbox_id}
+        body = {"templateID": "base", "timeout": 120}
+        r = api.request_sync("POST", "/v2/sandboxes", json=body, headers={"Idempotency-Key": key})
+        assert r.status_code == 201 and r.json()["sandboxID"] == first.sandbox_id
+        assert r.headers.get("Idempotent-Replayed") == "true"
+        r = api.request_sync("POST", "/v2/sandboxes", json={**body, "timeout": 121}, headers={"Idempotency-Key": key})
+        assert r.status_code == 422 and r.json()["error_code"] == "idempotency_key_reused", r.text
+        r = api.request_sync("POST", "/v2/sandboxes", json=body, headers={"Idempotency-Key": "Not_Valid"})
+        assert r.status_code == 400, r.text
+        assert _running(api) - before == {first.sandbox_id}
+    finally:
+        first.kill()
+
+
+def test_idempotency_key_of_a_failed_create_can_be_retried(api):
+    key = f"cov-{secrets.token_hex(8)}"
+    bad = {"templateID": f"nope-{secrets.token_hex(3)}", "timeout": 60}
+    r = api.request_sync("POST", "/v2/sandboxes", json=bad, headers={"Idempotency-Key": key})
+    assert r.status_code in (400, 404), r.text
+    r = api.request_sync("POST", "/v2/sandboxes", json=bad, headers={"Idempotency-Key": key})
+    assert r.status_code in (400, 404) and "Idempotent-Replayed" not in r.headers, r.text
+
+
+def test_idempotency_key_concurrent_duplicates_start_one_sandbox(api):
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = f"cov-{secrets.token_hex(8)}"
+    body = {"templateID": "base", "timeout": 120}
+    before = _running(api)
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: api.request_sync("POST", "/v2/sandboxes", json=body,
+                                                           headers={"Idempotency-Key": key}), range(3)))
+    ids = {r.json()["sandboxID"] for r in answers}
+    try:
+        assert [r.status_code for r in answers] == [201, 201, 201]
+        assert len(ids) == 1 and _running(api) - before == ids
+        assert sum(r.headers.get("Idempotent-Replayed") == "true" for r in answers) == 2
+    finally:
+        for sid in ids:
+            api.request_sync("DELETE", f"/sandboxes/{sid}")
