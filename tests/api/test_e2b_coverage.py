@@ -300,3 +300,22 @@ def test_idempotency_key_concurrent_duplicates_start_one_sandbox(api):
     finally:
         for sid in ids:
             api.request_sync("DELETE", f"/sandboxes/{sid}")
+
+
+# --- sandbox logs v2 ------------------------------------------------------------------------------
+
+
+def test_logs_v2_search_is_case_sensitive(api):
+    sid = api.request_sync("POST", "/v2/sandboxes", json={"templateID": "base", "timeout": 60}).json()["sandboxID"]
+    try:
+        path = f"/v2/sandboxes/{sid}/logs"
+        logs = api.request_sync("GET", path).json()["logs"]
+        word = next(w for e in logs for w in e["message"].split() if any(c.isalpha() for c in w))
+        swapped = word.swapcase()
+        found = api.request_sync("GET", path, params={"search": word}).json()["logs"]
+        assert found and all(word in e["message"] for e in found)
+        other = api.request_sync("GET", path, params={"search": swapped}).json()["logs"]
+        assert all(swapped in e["message"] for e in other), (word, other)
+        assert len(other) < len(logs)
+    finally:
+        api.request_sync("DELETE", f"/sandboxes/{sid}")
