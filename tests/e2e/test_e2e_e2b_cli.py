@@ -183,9 +183,19 @@ def test_sandbox_list_info_exec_logs_and_kill(cli_env):
         entries = [json.loads(line) for line in logs.splitlines() if line.startswith("{")]
         assert any("created" in e["message"].lower() for e in entries), logs
 
+        metrics = wait_until(lambda: re.findall(r"CPU: +[0-9.]+% +/ +\d+ Cores \| Memory: +\d+ / +\d+ +MiB",
+                                                e2b(cli_env, "sandbox", "metrics", first.sandbox_id).stdout),
+                             "a metrics sample shown by `e2b sandbox metrics`", limit=30, interval=1)
+        assert metrics
+
+        second.files.write("/home/user/kept.txt", run)
         e2b(cli_env, "sandbox", "pause", second.sandbox_id)
         paused = json.loads(e2b(cli_env, "sandbox", "list", "-s", "paused", "-m", f"run={run}", "-f", "json").stdout)
         assert [s["sandboxId"] for s in paused] == [second.sandbox_id]
+        e2b(cli_env, "sandbox", "resume", second.sandbox_id)
+        assert Sandbox.get_info(second.sandbox_id).state == SandboxState.RUNNING
+        assert Sandbox.connect(second.sandbox_id).files.read("/home/user/kept.txt") == run
+        e2b(cli_env, "sandbox", "pause", second.sandbox_id)
 
         killed = e2b(cli_env, "sandbox", "kill", first.sandbox_id)
         assert f"Sandbox {first.sandbox_id} has been killed" in killed.stdout
