@@ -101,8 +101,8 @@ def not_supported(what: str, why: str) -> AgentEnvError:
                          error_code=NOT_SUPPORTED)
 
 
-VOLUMES_WHY = "sandboxes have no persistent volumes here; use snapshots (Sandbox.create_snapshot) to keep files"
-SECRETS_WHY = "there is no secret store; pass values as envs or network rule headers"
+VOLUMES_WHY = "sandboxes have no persistent volumes here; snapshots keep files"
+SECRETS_WHY = "there is no secret store; pass values as environment variables"
 
 
 class CompatHandlers:

@@ -319,3 +319,39 @@ def test_logs_v2_search_is_case_sensitive(api):
         assert len(other) < len(logs)
     finally:
         api.request_sync("DELETE", f"/sandboxes/{sid}")
+
+
+# --- the same answers through the JS SDK -------------------------------------------------------------
+
+
+def test_js_sdk_gets_clear_errors(api, server):
+    import json
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    js_sdk = here.parent / "js" / "node_modules" / "e2b" / "dist" / "index.mjs"
+    node = shutil.which("node")
+    if node is None or not js_sdk.exists():
+        pytest.fail("node or the JS e2b SDK is missing (run scripts/setup.sh --test)")
+    sid = api.request_sync("POST", "/v2/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+    try:
+        assert api.request_sync("POST", f"/sandboxes/{sid}/pause").status_code == 204
+        before = _running(api)
+        proc = subprocess.run([node, str(here / "js_e2b_coverage.mjs"), js_sdk.as_uri(), sid],
+                              env=server.sdk_env(), capture_output=True, text=True, timeout=120,
+                              stdin=subprocess.DEVNULL)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        got = json.loads(lines[-1][len("RESULT "):])
+        assert got["volumes"] == [] and got["secrets"] == [] and got["secretsHasNext"] is False
+        assert "volumes are not supported" in got["volumeCreate"].lower(), got
+        assert got["volumeInfo"] and "not found" in got["volumeInfo"].lower(), got
+        assert "secrets are not supported" in got["secretCreate"].lower(), got
+        assert "volumes are not supported" in got["mount"], got
+        assert "not supported" in got["reboot"], got
+        assert _running(api) <= before  # the refused create started nothing
+        assert api.request_sync("GET", f"/sandboxes/{sid}").json()["state"] == "paused"
+    finally:
+        api.request_sync("DELETE", f"/sandboxes/{sid}")
