@@ -62,7 +62,7 @@ def test_run_timeout_always_raises_timeout_sync(sandbox_factory):
             sbx.commands.run(marker, timeout=2)
         took = time.monotonic() - start
         assert not isinstance(info.value, CommandExitException), f"run {i}: {info.value!r}"
-        assert 1.9 <= took < 6, f"run {i} took {took:.2f}s"
+        assert 1.9 <= took < 8, f"run {i} took {took:.2f}s"  # not the 10 s of the sleep
         # envd's own timeout killed the process
         wait_until(lambda: _no_sleep_left(sbx, marker), f"run {i}'s process to be killed", limit=15)
 
@@ -85,7 +85,7 @@ def test_run_timeout_always_raises_timeout_js(server):
     for i, run in enumerate(result["runs"]):
         assert run["timeoutError"], f"run {i}: {run}"
         assert "deadline_exceeded" in run["message"], f"run {i}: {run}"
-        assert 1.9 <= run["seconds"] < 6, f"run {i}: {run}"
+        assert 1.9 <= run["seconds"] < 8, f"run {i}: {run}"
 
 
 def _frames(data: bytes) -> list[tuple[int, dict]]:
