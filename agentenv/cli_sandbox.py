@@ -5,7 +5,8 @@ Everything goes through the server's public HTTP API and envd behind its proxy
 
 Exit codes: 0 success; 1 an error the server or sandbox reported (or a failed build); 2 usage;
 `exec`/`shell` pass the command's own exit code through (128 + N when signal N ended it) and use
-125 when agentenv itself could not run it (server, sandbox or envd error); 130 after Ctrl-C.
+124 when `exec --timeout` killed it, 125 when agentenv itself could not run it (server, sandbox or
+envd error); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from agentenv.client import ApiClient, ApiError, EnvdClient, EnvdError, connect_
 T = TypeVar("T")
 EXIT_AGENTENV_ERROR = 125  # exec/shell: agentenv could not run the command (docker exec's convention)
 EXIT_INTERRUPTED = 130
+EXIT_TIMEOUT = 124  # exec --timeout elapsed (coreutils timeout's convention)
 
 
 def _echo_err(msg: str) -> None:
@@ -165,16 +167,25 @@ def sandbox_exec(sandbox_id: str, command: tuple[str, ...], user: str | None, cw
 
     One argument is a shell command line (`exec ID -- 'ls | wc -l'`); several are quoted and joined
     (`exec ID -- ls -l /tmp`). It runs in bash as a login shell, like the SDKs' commands.run.
-    Exit code: the command's, 128+N after signal N, 125 if agentenv could not run it.
+    Exit code: the command's, 128+N after signal N, 124 when --timeout killed it, 125 if agentenv
+    could not run it.
     """
     import shlex
 
     line = command[0] if len(command) == 1 else shlex.join(command)
     envs = _env_pairs(env)
-    code = _run(lambda api: exec_command(api, sandbox_id, line, user=user, cwd=cwd, envs=envs, stdin=stdin,
-                                         timeout=timeout),
-                api_url, api_key, sandbox_url, error_code=EXIT_AGENTENV_ERROR)
-    sys.exit(code)
+
+    async def go(api: ApiClient) -> int:
+        try:
+            return await exec_command(api, sandbox_id, line, user=user, cwd=cwd, envs=envs, stdin=stdin,
+                                      timeout=timeout)
+        except EnvdError as e:
+            if e.code != "deadline_exceeded":
+                raise
+            _echo_err(f"agentenv: the command did not finish within {timeout:g}s and was killed")
+            return EXIT_TIMEOUT
+
+    sys.exit(_run(go, api_url, api_key, sandbox_url, error_code=EXIT_AGENTENV_ERROR))
 
 
 # ---------------------------------------------------------------- shell
