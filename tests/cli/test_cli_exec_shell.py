@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import select
+import signal
 import subprocess
 import time
 
@@ -79,6 +80,32 @@ def test_exec_timeout_kills_the_command_with_124(server, sid):
     assert p.returncode == 124, (p.stdout, p.stderr)
     assert p.stdout == b"started\n" and b"did not finish within 2s" in p.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_ctrl_c_kills_the_remote_command_and_exits_130(server, sid):
+    proc = subprocess.Popen([agentenv_executable(), "sandbox", "exec", sid, "--",
+                             "echo started; exec sleep 1234"],
+                            env=server.sdk_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready and proc.stdout.readline() == b"started\n"
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    # the pattern's brackets keep pgrep from matching this very command line
+    left = run_cli(server, "sandbox", "exec", sid, "--", "pgrep -f '[s]leep 1234' || echo none").stdout
+    assert left == b"none\n"
+
+
+def test_exec_resumes_a_paused_sandbox(server, sandboxes):
+    paused = sandboxes.create()
+    run_cli(server, "sandbox", "exec", paused, "--", "echo kept > state.txt")
+    run_cli(server, "sandbox", "pause", paused)
+    assert run_cli(server, "sandbox", "exec", paused, "--", "cat state.txt").stdout == b"kept\n"
 
 
 def test_exec_on_a_missing_sandbox_exits_125_with_the_reason(server):
