@@ -6,7 +6,7 @@ Everything goes through the server's public HTTP API and envd behind its proxy
 Exit codes: 0 success; 1 an error the server or sandbox reported (or a failed build); 2 usage;
 `exec`/`shell` pass the command's own exit code through (128 + N when signal N ended it) and use
 124 when `exec --timeout` killed it, 125 when agentenv itself could not run it (server, sandbox or
-envd error); 130 after Ctrl-C.
+envd error), 141 when our stdout was closed (the command is killed); 130 after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ T = TypeVar("T")
 EXIT_AGENTENV_ERROR = 125  # exec/shell: agentenv could not run the command (docker exec's convention)
 EXIT_INTERRUPTED = 130
 EXIT_TIMEOUT = 124  # exec --timeout elapsed (coreutils timeout's convention)
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # our stdout was closed: the command was ended, as a shell's SIGPIPE
 
 
 def _echo_err(msg: str) -> None:
@@ -130,6 +131,13 @@ async def _pump_stdin(envd: EnvdClient, pid: int) -> None:
     await envd.close_stdin(pid)
 
 
+def _quiet_stdout() -> None:
+    """After EPIPE: point stdout at /dev/null so the interpreter's final flush cannot complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 async def exec_command(api: ApiClient, sandbox_id: str, command: str, *, user: str | None, cwd: str | None,
                        envs: dict[str, str], stdin: bool, timeout: float | None) -> int:
     envd = await connect_envd(api, sandbox_id, user=user)
@@ -138,6 +146,11 @@ async def exec_command(api: ApiClient, sandbox_id: str, command: str, *, user: s
         try:
             async for stream, data in proc:
                 _write(2 if stream == "stderr" else 1, data)
+        except BrokenPipeError:  # our reader went away (`exec ... | head`): end the command, as SIGPIPE would
+            with contextlib.suppress(ApiError, EnvdError):
+                await envd.kill(proc.pid)
+            _quiet_stdout()
+            return EXIT_BROKEN_PIPE
         except asyncio.CancelledError:
             with contextlib.suppress(ApiError, EnvdError):
                 await asyncio.shield(envd.kill(proc.pid))

@@ -101,6 +101,16 @@ def test_ctrl_c_kills_the_remote_command_and_exits_130(server, sid):
     assert left == b"none\n"
 
 
+def test_exec_into_a_closed_pipe_ends_the_remote_command(server, sid):
+    cmd = f"{agentenv_executable()} sandbox exec {sid} -- 'echo $$ > /tmp/yes.pid; exec yes' | head -2"
+    p = subprocess.run(["/bin/bash", "-o", "pipefail", "-c", cmd], env=server.sdk_env(), capture_output=True,
+                       timeout=120)
+    assert p.stdout == b"y\ny\n" and b"Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 141  # 128 + SIGPIPE, as `yes | head` in a shell
+    left = run_cli(server, "sandbox", "exec", sid, "--", "kill -0 $(cat /tmp/yes.pid) 2>/dev/null || echo gone")
+    assert left.stdout == b"gone\n"
+
+
 def test_exec_resumes_a_paused_sandbox(server, sandboxes):
     paused = sandboxes.create()
     run_cli(server, "sandbox", "exec", paused, "--", "echo kept > state.txt")
