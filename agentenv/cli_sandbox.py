@@ -64,6 +64,9 @@ def _run(fn: Callable[[ApiClient], Awaitable[T]], api_url: str | None, api_key: 
         sys.exit(error_code)
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:  # e.g. `files get ID f - | head`
+        _quiet_stdout()
+        sys.exit(EXIT_BROKEN_PIPE)
 
 
 def _env_pairs(values: tuple[str, ...]) -> dict[str, str]:
