@@ -228,6 +228,16 @@ def test_sandbox_connect_is_a_terminal_in_that_sandbox(cli_env, terminals):
         # the terminal was that sandbox's shell, and leaving it leaves the sandbox running
         assert sbx.files.read("/home/user/typed.txt").strip() == "typed-2"
         assert sbx.is_running()
+
+        # --user, --cwd and --env shape the terminal's shell
+        term = Terminal.spawn([str(E2B_BIN), "sandbox", "connect", sbx.sandbox_id, "-u", "root", "-c", "/etc",
+                               "-e", "CLI_VAR=from-cli"], cli_env)
+        terminals.append(term)
+        term.expect(r"# $|\$ $")
+        mark = len(term.screen)
+        term.type("echo \"$(whoami):$(pwd):$CLI_VAR\"; exit\r")
+        term.expect(r"(?m)^root:/etc:from-cli$", after=mark)
+        assert term.finish() == 0, term.screen[-2000:]
     finally:
         kill_quietly(sbx)
 
