@@ -407,7 +407,9 @@ async def get_files(request: web.Request) -> web.StreamResponse:
         else:
             resp.content_length = size
         await resp.prepare(request)
-        if compressor is None:
+        if request.method == hdrs.METH_HEAD:
+            pass  # headers only (the route also answers HEAD)
+        elif compressor is None:
             await _send_plain(request, resp, fd, start, end - start + 1)
         else:
             await _send_gzip(resp, fd, compressor, start, end)
