@@ -170,8 +170,8 @@ def files_put(sandbox_id: str, local: str, remote: str, user: str | None, as_jso
     """Upload LOCAL (`-` = stdin) to REMOTE in a sandbox (parents created, an existing file replaced)."""
     from agentenv import cli_ops as ops
 
-    if local != "-" and not os.path.isfile(local):
-        raise click.BadParameter(f"{local}: not a file", param_hint="LOCAL")
+    if local != "-" and (not os.path.exists(local) or os.path.isdir(local)):  # FIFOs, /dev/fd/N are fine
+        raise click.BadParameter(f"{local}: no such file", param_hint="LOCAL")
     entries = ops.run(lambda api: ops.put_file(api, sandbox_id, local, remote, user), api_url, api_key,
                       sandbox_url)
     if as_json:

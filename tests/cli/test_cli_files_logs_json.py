@@ -37,6 +37,12 @@ def test_files_through_stdin_and_stdout(server, sid):
     assert run_cli(server, "sandbox", "files", "get", sid, "piped.bin", "-").stdout == data
     # the SDK sees the same file (relative paths are under the user's home)
     assert Sandbox.connect(sid).files.read("/home/user/piped.bin", format="bytes") == data
+    # a pipe as LOCAL (process substitution: /dev/fd/N)
+    p = subprocess.run(["/bin/bash", "-c", f"{agentenv_executable()} sandbox files put {sid} "
+                                           "<(printf from-a-fifo) fifo.txt"],
+                       env=server.sdk_env(), capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert run_cli(server, "sandbox", "files", "get", sid, "fifo.txt", "-").stdout == b"from-a-fifo"
 
 
 def test_files_errors_exit_1_and_leave_nothing_behind(server, sid, tmp_path):
