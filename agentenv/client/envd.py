@@ -87,7 +87,7 @@ class ProcessStream:
     def __init__(self, client: EnvdClient, request: dict, headers: dict[str, str]):
         self._client, self._request, self._headers = client, request, headers
         self._resp: aiohttp.ClientResponse | None = None
-        self._buf = b""
+        self._buf = bytearray()
         self.pid: int = 0
         self.end: ProcessEnd | None = None
 
@@ -116,9 +116,10 @@ class ProcessStream:
         assert self._resp is not None
         while True:
             if len(self._buf) >= 5:
-                flags, length = _ENVELOPE.unpack(self._buf[:5])
+                flags, length = _ENVELOPE.unpack_from(self._buf)
                 if len(self._buf) >= 5 + length:
-                    raw, self._buf = self._buf[5:5 + length], self._buf[5 + length:]
+                    raw = bytes(self._buf[5:5 + length])
+                    del self._buf[:5 + length]  # bytearray: dropping the front does not copy the rest
                     msg = json.loads(raw or b"{}")
                     return flags, msg if isinstance(msg, dict) else {}
             try:
