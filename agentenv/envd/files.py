@@ -213,11 +213,13 @@ def _give(fd: int, uid: int, gid: int, created: bool) -> None:
 
 def _writev_all(fd: int, pieces: list) -> None:
     """Write every byte of `pieces` (bytes-like objects) to fd: writev, resumed after short writes."""
-    views = [memoryview(p).cast("B") for p in pieces]
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
     i = 0
     while i < len(views):
         n = os.writev(fd, views[i:i + _IOV_MAX])
-        while n and n >= len(views[i]):
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while i < len(views) and n >= len(views[i]):
             n -= len(views[i])
             i += 1
         if n:
