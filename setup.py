@@ -42,6 +42,10 @@ def _node_modules(libraries: dict[str, str]) -> Path:
 
 
 class BuildPyWithConsole(build_py):
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.force = True   # copy every module: a stale build/lib (mtimes from another clock) must not win
+
     def run(self) -> None:
         super().run()
         libraries, vendored = _libraries()

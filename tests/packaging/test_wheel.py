@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -54,11 +55,26 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return p
 
 
+def _export_tree(dest: Path) -> Path:
+    """The checkout's files (tracked, plus new ones not ignored) without build/, node_modules or caches,
+    as a release build sees them."""
+    files = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO).stdout
+    for rel in filter(None, files.split("\0")):
+        src = REPO / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    src = _export_tree(tmp_path_factory.mktemp("src"))
     out = tmp_path_factory.mktemp("dist")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(REPO)],
-         cwd=out, timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    # The console's libraries come from the checkout's node_modules (setup.sh's npm ci).
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "AGENTENV_CONSOLE_NODE_MODULES": str(CONSOLE / "node_modules")}
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)],
+         cwd=out, timeout=300, env=env)
     wheels = list(out.glob("agentenv-*.whl"))
     assert len(wheels) == 1, wheels
     return wheels[0]
@@ -132,3 +148,12 @@ def test_wheel_cli_runs_a_command_in_a_sandbox(installed: Installed, server):
         assert (p.returncode, p.stdout, p.stderr) == (7, "from-wheel\n", "err\n")
     finally:
         installed.run("sandbox", "kill", sid, base_env=server.sdk_env(), check=False)
+
+
+def test_wheel_setup_finds_this_hosts_packages_installed(installed: Installed):
+    check = installed.run("setup", "--check")
+    assert check.stdout.strip() == "all host packages are installed", check.stdout
+    # A real run on a set-up host installs nothing and leaves apt alone.
+    run = installed.run("setup", timeout=300)
+    assert "apt-get" not in run.stderr, run.stderr
+    assert "host packages done" in run.stderr
