@@ -49,7 +49,8 @@ class Envd:
             return f"<no log: {exc}>"
 
 
-def start_envd(workdir: Path, extra_env: dict[str, str] | None = None) -> Envd:
+def start_envd(workdir: Path, extra_env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Envd:
+    """envd on a free loopback port; `prefix` runs it through a wrapper (e.g. setpriv dropping a capability)."""
     port = free_port()
     host_token = secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
@@ -58,7 +59,7 @@ def start_envd(workdir: Path, extra_env: dict[str, str] | None = None) -> Envd:
     log_path = workdir / f"envd-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port), "--subreaper"],
+            [*(prefix or []), sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port), "--subreaper"],
             cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
@@ -196,8 +197,8 @@ def envd_factory(tmp_path: Path) -> Iterator:
     """Start extra envd instances (e.g. with other env settings); all are stopped after the test."""
     started: list[Envd] = []
 
-    def factory(extra_env: dict[str, str] | None = None) -> Envd:
-        server = start_envd(tmp_path, extra_env)
+    def factory(extra_env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Envd:
+        server = start_envd(tmp_path, extra_env, prefix)
         started.append(server)
         return server
 

@@ -42,6 +42,10 @@ CONNECT_CODES = {
     "unimplemented", "internal", "unavailable", "data_loss", "unauthenticated",
 }
 END_STREAM = 0x02
+# /init carries the host's time and envd, as root, steps CLOCK_REALTIME when it is off by 0.5 s: on the
+# host that would be the machine's clock (a loaded machine delays a request that long). The envd that
+# gets /init here runs without CAP_SYS_TIME.
+NO_CLOCK = ["setpriv", "--bounding-set", "-sys_time", "--"]
 TIMESTAMP = "google.protobuf.Timestamp"
 
 
@@ -460,7 +464,7 @@ class SpecHttp:
 
 
 def test_http_routes_match_contract(envd_factory, http_spec, temp_user, workdir):
-    server = envd_factory()
+    server = envd_factory(prefix=NO_CLOCK)
     http = SpecHttp(http_spec, server.url)
     assert http("GET", "/health").status_code == 204
     token = secrets.token_hex(8)
@@ -495,6 +499,7 @@ def test_http_routes_match_contract(envd_factory, http_spec, temp_user, workdir)
     conns = http("GET", "/agentenv/connections", headers={"X-Agentenv-Host-Token": server.host_token})
     assert conns.status_code == 200 and isinstance(conns.json()["connections"], list)
     assert http("GET", "/agentenv/connections").status_code == 401
+    assert "clock stepped" not in server.log_tail(200)
 
 
 # ---- (4) our host-side clients use only the contract ---------------------------------------------------
@@ -568,7 +573,7 @@ async def test_host_clients_use_only_the_contract(envd_factory, contract, http_s
     from agentenv.constants import ENVD_PORT
     from agentenv.orchestrator import envd_client
 
-    server = envd_factory()
+    server = envd_factory(prefix=NO_CLOCK)
     recorder = Recorder(server.url)
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", recorder.handle)
@@ -618,6 +623,7 @@ async def test_host_clients_use_only_the_contract(envd_factory, contract, http_s
     finally:
         await runner.cleanup()
 
+    assert "clock stepped" not in server.log_tail(200)
     used = _check_recorded(contract, http_spec, recorder.requests)
     assert {"/process.Process/Start", "/process.Process/SendInput", "/process.Process/CloseStdin",
             "/process.Process/Update", "/process.Process/SendSignal", "GET /health", "POST /init",
