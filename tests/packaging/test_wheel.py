@@ -40,7 +40,7 @@ class Installed:
         env["PATH"] = f"{self.venv / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
         return env
 
-    def run(self, *args: str, base_env: dict[str, str] | None = None, timeout: float = 120,
+    def run(self, *args: str, base_env: dict[str, str] | None = None, timeout: float = 300,
             check: bool = True) -> subprocess.CompletedProcess:
         p = subprocess.run([self.agentenv, *args], cwd=self.cwd, env=self.env(base_env), capture_output=True,
                            text=True, timeout=timeout, stdin=subprocess.DEVNULL)
