@@ -48,6 +48,8 @@ class BuildPyWithConsole(build_py):
 
     def run(self) -> None:
         super().run()
+        if getattr(self, "editable_mode", False):
+            return   # `pip install -e .`: the checkout serves node_modules itself (scripts/setup.sh)
         libraries, vendored = _libraries()
         nm = _node_modules(libraries)
         out = Path(self.build_lib) / "agentenv" / "console" / vendored
