@@ -35,14 +35,8 @@ TRANSITIONS: dict[S, dict[str, tuple[S, S]]] = {
     S.LOST: {"kill": (S.KILLING, S.KILLED)},
 }
 
-# Cluster node loss (its heartbeats stopped): every sandbox of the node becomes LOST except a paused
-# one whose state was published to the snapshot store (`SandboxRecord.memory_digest`, or a
-# filesystem-only pause): that one stays PAUSED and any other node can resume it.
-SURVIVES_NODE_LOSS: frozenset[S] = frozenset({S.PAUSED})
-
-
-def after_node_loss(state: S, published: bool) -> S:
-    return state if state in SURVIVES_NODE_LOSS and published else S.LOST
+# Cluster node loss: defined with the states (models.py), where the state stores apply it.
+from agentenv.models import SURVIVES_NODE_LOSS, after_node_loss  # noqa: E402,F401
 
 # Wording for the 409s, keyed by (state, operation); a generic message covers the rest.
 _MESSAGES: dict[tuple[S, str], str] = {

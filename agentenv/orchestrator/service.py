@@ -222,9 +222,7 @@ class Orchestrator:
         if egress is not None:
             await egress.close_all()  # running sandboxes kept: their listeners come back on the next start
         for rt in self.runtimes.values():
-            close = getattr(rt, "close", None)   # e.g. Firecracker: API clients, its VM store mount
-            if close is not None:
-                await close()
+            await rt.close()   # e.g. Firecracker: API clients, its VM store mount
 
     async def _ensure_default_templates(self) -> None:
         if await self.store.get_template("base") is None:
@@ -256,7 +254,7 @@ class Orchestrator:
                 log.warning("sandbox %s runs under %s, which this node no longer serves", rec.sandbox_id, rec.runtime)
             alive = rec.state == SandboxState.RUNNING and slot is not None and rt is not None \
                 and await rt.is_alive(rec.sandbox_id)
-            if alive and getattr(rt, "name", "") == "gvisor" and await rt.state(rec.sandbox_id) == "paused":
+            if alive and rt.traits.may_stay_frozen and await rt.state(rec.sandbox_id) == "paused":
                 # frozen by a capture the old process did not finish: the sandbox runs on
                 log.warning("sandbox %s was frozen by an interrupted capture; thawing it", rec.sandbox_id)
                 await rt.resume(rec.sandbox_id)
@@ -625,7 +623,7 @@ class Orchestrator:
             await rt.start(spec)
             await self.network.activate(slot)
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(sid),
-                                           timeout=getattr(rt, "envd_timeout", 60.0))
+                                           timeout=rt.traits.envd_timeout_s)
             await self._checkpoint(rec, image)
             await self.rootfs.unmount(sid)
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sid))
@@ -699,8 +697,7 @@ class Orchestrator:
     async def _attach_vm_boot(self, spec: SandboxSpec) -> None:
         """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""
         rt = self.runtime_for(spec.sandbox_id)
-        if runtime_select.is_vm(rt.name) and runtime_select.VM_GUEST_IMAGES is not None \
-                and getattr(rt, "wants_vm_boot", True):
+        if rt.traits.boots_from_spec and runtime_select.VM_GUEST_IMAGES is not None:
             spec.vm = await runtime_select.VM_GUEST_IMAGES(self.paths.images, spec)
 
     async def _spawn(self, rec: SandboxRecord, *, restore_from: Path | None = None,
@@ -765,7 +762,7 @@ class Orchestrator:
             await rt.restore(spec, restore_from)
         await self.network.activate(slot)
         await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
-                                       timeout=getattr(rt, "envd_timeout", 60.0))
+                                       timeout=rt.traits.envd_timeout_s)
         await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self._sandbox_env(rec),
                                host_token=self._host_token, current_token=restore_token,
                                default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
@@ -863,7 +860,7 @@ class Orchestrator:
         rt = self.runtime_for(sid)
         await self._quiesce(sid)
         kwargs = {}
-        if getattr(rt, "modern", False):  # gVisor >= 20240729 (VMs save TCP state with the guest kernel)
+        if rt.traits.resets_connections:  # gVisor >= 20240729 (VMs save TCP state with the guest kernel)
             kwargs["reset_connections"] = await self._holds_connections(rec)
         try:
             await rt.checkpoint(sid, image_dir, **kwargs)
