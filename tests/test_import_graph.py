@@ -136,3 +136,33 @@ def test_cycle_finder_finds_a_cycle() -> None:
 def test_no_cycles_between_packages() -> None:
     found = cycles(package_graph())
     assert found == [], f"import cycles between packages of agentenv/: {found}"
+
+
+def test_no_cycles_between_orchestrator_modules() -> None:
+    """The orchestrator's parts (host, lifecycle, admission, warm, catalog, routing, templates...)
+    import each other one way only."""
+    graph = {m: {t for t in ts if t.startswith("agentenv.orchestrator.")}
+             for m, ts in module_graph().items() if m.startswith("agentenv.orchestrator.")}
+    found = cycles(graph)
+    assert found == [], f"import cycles between modules of agentenv.orchestrator: {found}"
+
+
+def _state_writes(path: Path) -> list[int]:
+    """Lines of `<expr>.state = ...` (plain, tuple or augmented assignment targets)."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for sub in ast.walk(t):
+                if isinstance(sub, ast.Attribute) and sub.attr == "state" and isinstance(sub.ctx, ast.Store):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_only_lifecycle_writes_a_sandbox_state() -> None:
+    lifecycle = ROOT / "orchestrator" / "lifecycle.py"
+    assert _state_writes(lifecycle), "the check finds nothing: lifecycle.py itself writes states"
+    writers = {str(p.relative_to(ROOT.parent)): lines for p in sorted(ROOT.rglob("*.py"))
+               if p != lifecycle and (lines := _state_writes(p))}
+    assert writers == {}, f"sandbox states written outside orchestrator/lifecycle.py: {writers}"

@@ -29,6 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
@@ -39,7 +40,7 @@ from agentenv.orchestrator import envd_client
 from agentenv.runtimes import select as runtime_select
 
 if TYPE_CHECKING:
-    from agentenv.orchestrator.service import Orchestrator
+    from agentenv.orchestrator.host import SandboxHost
 
 log = logging.getLogger("agentenv.templates")
 
@@ -148,13 +149,17 @@ class StepFailed(Exception):
 
 
 class TemplateService:
-    """Template API operations and the build executor (owned by the orchestrator)."""
+    """Template API operations and the build executor (owned by the orchestrator).
 
-    def __init__(self, orch: "Orchestrator") -> None:
-        self.orch = orch
-        self.store = orch.store
-        self.paths = orch.paths
-        self.settings = orch.settings
+    Build sandboxes run on the sandbox host (`host`): brought up, captured and torn down the same way
+    as every other sandbox, without a record or a lifecycle state of their own."""
+
+    def __init__(self, host: "SandboxHost", store, gc_artifacts: Callable[[], Awaitable[object]]) -> None:
+        self.host = host
+        self.store = store
+        self.paths = host.paths
+        self.settings = host.settings
+        self._gc_artifacts = gc_artifacts
         self.files_dir = self.paths.root / "template-files"
         self._tasks: dict[str, asyncio.Task] = {}
         # Per build in flight: layers/memory images it holds before its record or cache entry has them.
@@ -164,7 +169,7 @@ class TemplateService:
         """HMAC with this data dir's host secret (signed upload URLs)."""
         import hmac
 
-        return hmac.new(self.orch._host_token.encode(), text.encode(), hashlib.sha256).hexdigest()
+        return hmac.new(self.host.host_token.encode(), text.encode(), hashlib.sha256).hexdigest()
 
     async def fail_interrupted(self) -> None:
         """Builds a previous server process left running can never finish: end them with a reason."""
@@ -205,8 +210,8 @@ class TemplateService:
         tags = {t.tag: t.build_id for t in await self.store.list_tags(tmpl.template_id)} if tmpl else {}
         current = await self.store.get_build(tags[DEFAULT_TAG]) if DEFAULT_TAG in tags else None
         if current is not None and current.spec.get("recipe") == spec["recipe"] and all(
-                self.orch.artifacts.layer_dir(d).is_dir() for d in current.layers) and current.memory_digest and \
-                self.orch.artifacts.memory_dir(current.memory_digest).is_dir():
+                self.host.artifacts.layer_dir(d).is_dir() for d in current.layers) and current.memory_digest and \
+                self.host.artifacts.memory_dir(current.memory_digest).is_dir():
             log.info("code-interpreter template is current (build %s)", current.build_id)
             return
         for digest, data in files.items():
@@ -235,7 +240,7 @@ class TemplateService:
             for old in await self.store.list_builds(tmpl.template_id):  # superseded builds: GC their layers
                 if old.build_id != build.build_id:
                     await self.store.delete_build(old.build_id)
-            await self.orch.gc_artifacts()
+            await self._gc_artifacts()
 
     async def stop(self) -> None:
         for task in list(self._tasks.values()):
@@ -415,7 +420,7 @@ class TemplateService:
         if any(b.status == BuildStatus.BUILDING for b in await self.store.list_builds(tmpl.template_id)):
             raise Conflict(f"template {template_id} has a build in progress")
         await self.store.delete_template(tmpl.template_id)
-        await self.orch.gc_artifacts()
+        await self._gc_artifacts()
         log.info("deleted template %s (%s)", tmpl.template_id, ",".join(tmpl.aliases))
         return True
 
@@ -437,7 +442,7 @@ class TemplateService:
         for t in tags:
             if not await self.store.delete_tag(tmpl.template_id, t):
                 raise NotFound(f"template '{name}' has no tag '{t}'")
-        await self.orch.gc_artifacts()
+        await self._gc_artifacts()
 
     async def list_tags(self, template_id: str, team_id: str) -> list[TemplateTag]:
         tmpl = await self.find_template(split_name(template_id)[0], team_id)
@@ -473,7 +478,7 @@ class TemplateService:
             build.finished_at = utcnow()
             await asyncio.shield(blog.save())
             self._pins.pop(build.build_id, None)
-            await asyncio.shield(self.orch.gc_artifacts())
+            await asyncio.shield(self._gc_artifacts())
         log.info("build %s of template %s: %s in %.1fs", build.build_id, build.template_id, build.status.value,
                  time.monotonic() - t0)
 
@@ -493,26 +498,26 @@ class TemplateService:
         ref = spec.get("fromImage") or "e2bdev/base"
         if spec.get("fromImageRegistry") and spec["fromImageRegistry"].get("type") not in (None, "registry"):
             raise BadRequest(f"fromImageRegistry type {spec['fromImageRegistry'].get('type')!r} is not supported")
-        image = await self.orch.images.resolve_image_ref(ref, registry=spec.get("fromImageRegistry"),
+        image = await self.host.images.resolve_image_ref(ref, registry=spec.get("fromImageRegistry"),
                                                          progress=lambda m, _f: blog.add(m))
         blog.add(f"FROM image {ref} -> {image}")
         state = StepState()
-        m = self.orch.images.manifest(image)
+        m = self.host.images.manifest(image)
         for item in m.get("env") or []:  # the image config's Env and WorkingDir (imported OCI images)
             k, sep, v = str(item).partition("=")
             if sep and _ENV_RE.match(k):
                 state.env[k] = v
         if m.get("workdir"):
             state.workdir = m["workdir"]
-        return Chain(image, [], state, _h("image", image, self.orch.images.image_digest(image)))
+        return Chain(image, [], state, _h("image", image, self.host.images.image_digest(image)))
 
     async def _execute(self, build: TemplateBuildRecord, blog: BuildLog) -> None:
         spec = build.spec
         tmpl = await self.store.get_template(build.template_id)
         want = tmpl.runtime if tmpl else None
-        if want is None and "gvisor" in self.orch.runtimes:
+        if want is None and "gvisor" in self.host.runtimes:
             want = "gvisor"  # a node that also serves gVisor builds there (microVM builds are not supported)
-        build.runtime = await runtime_select.resolve_request(self.settings, want, list(self.orch.runtimes))
+        build.runtime = await runtime_select.resolve_request(self.settings, want, list(self.host.runtimes))
         if runtime_select.is_vm(build.runtime):
             raise BadRequest(f"template builds need the gvisor runtime, not {build.runtime}: a microVM keeps its file "
                              "changes in its VM disk, which build steps cannot commit as layers yet")
@@ -534,7 +539,7 @@ class TemplateService:
                 if st.get("force"):
                     break
                 entry = await self.store.get_cache_entry(keys[i])
-                if entry is None or not all(self.orch.artifacts.layer_dir(d).is_dir() for d in entry["layers"]):
+                if entry is None or not all(self.host.artifacts.layer_dir(d).is_dir() for d in entry["layers"]):
                     break
                 chain = Chain(entry["image"], list(entry["layers"]), StepState.from_json(entry["state"]), keys[i])
                 done = i + 1
@@ -546,13 +551,13 @@ class TemplateService:
         spec["finalState"] = chain.state.to_json()
         # The commit too is cached: same final filesystem + start/ready command + resources -> the
         # same snapshot (unless forced). Its key includes the tools layer, whose envd the memory holds.
-        tools = (await self.orch.images.ensure_tools()).name
+        tools = (await self.host.images.ensure_tools()).name
         commit_key = "commit:" + _h(chain.key, spec.get("startCmd") or "", spec.get("readyCmd") or "",
                                     str(build.cpu_count), str(build.memory_mb), tools, build.runtime or "")
         forced = bool(spec.get("force")) or any(st.get("force") for st in steps)
         entry = None if forced else await self.store.get_cache_entry(commit_key)
-        if entry is not None and self.orch.artifacts.memory_dir(entry["memory"]).is_dir() and all(
-                self.orch.artifacts.layer_dir(d).is_dir() for d in entry["layers"]):
+        if entry is not None and self.host.artifacts.memory_dir(entry["memory"]).is_dir() and all(
+                self.host.artifacts.layer_dir(d).is_dir() for d in entry["layers"]):
             build.image, build.layers, build.memory_digest = entry["image"], list(entry["layers"]), entry["memory"]
             build.restore_token = entry["restoreToken"]
             await self.store.put_build(build)
@@ -570,21 +575,21 @@ class TemplateService:
             sandbox_id=f"{prefix}{secrets.token_hex(10)}", template_id=build.template_id, team_id=build.team_id,
             state=SandboxState.CREATING, started_at=now, end_at=now, cpu_count=build.cpu_count,
             memory_mb=build.memory_mb, disk_mb=build.disk_mb, envd_access_token=secrets.token_urlsafe(24),
-            env_vars=dict(env), allow_internet_access=internet, runtime=build.runtime or self.orch.runtime.name,
+            env_vars=dict(env), allow_internet_access=internet, runtime=build.runtime or self.host.runtime.name,
             image=chain.image, layers=list(chain.layers))
         try:
-            await self.orch._bring_up(rec, restore_from=None, restore_token=None)
+            await self.host.bring_up(rec, restore_from=None, restore_token=None)
         except BaseException:
-            await asyncio.shield(self.orch._teardown(rec.sandbox_id))
+            await asyncio.shield(self.host.teardown(rec.sandbox_id))
             raise
         return rec
 
     def _shell(self, rec: SandboxRecord) -> str:
-        return "/bin/bash" if (self.orch.rootfs.rootfs_path(rec.sandbox_id) / "bin/bash").exists() else "/bin/sh"
+        return "/bin/bash" if (self.host.rootfs.rootfs_path(rec.sandbox_id) / "bin/bash").exists() else "/bin/sh"
 
     async def _exec(self, rec: SandboxRecord, cmd: str, *, user: str, cwd: str | None, env: dict[str, str],
                     blog: BuildLog | None, step: str | None, timeout: float = STEP_TIMEOUT_S) -> int:
-        slot = self.orch._slots[rec.sandbox_id]
+        slot = self.host.slots[rec.sandbox_id]
         on_output = (lambda stream, text: blog.output(step or "", stream, text)) if blog is not None else None
         try:
             code = await envd_client.run_process(slot.host_ip, access_token=rec.envd_access_token, cmd=cmd,
@@ -654,12 +659,12 @@ class TemplateService:
                 chain = Chain(chain.image, layers, StepState(dict(state.env), state.workdir, state.user), keys[i])
             return chain
         finally:
-            await asyncio.shield(self.orch._teardown(sid))
+            await asyncio.shield(self.host.teardown(sid))
 
     async def _seal_live_upper(self, rec: SandboxRecord, build: TemplateBuildRecord) -> list[str]:
         """Copy the running build sandbox's upper (after a sync inside) into a layer: [digest] or []."""
         await self._exec(rec, "sync", user="root", cwd="/", env={}, blog=None, step=None, timeout=300)
-        upper = self.orch.rootfs.upper_path(rec.sandbox_id)
+        upper = self.host.rootfs.upper_path(rec.sandbox_id)
         tmp = self.paths.sandbox_dir(rec.sandbox_id) / f"step-{secrets.token_hex(4)}"
         proc = await asyncio.create_subprocess_exec("cp", "-a", "--reflink=auto", "--", str(upper), str(tmp),
                                                     stderr=asyncio.subprocess.PIPE)
@@ -667,7 +672,7 @@ class TemplateService:
         if proc.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             raise RuntimeFailure(f"copying the build sandbox's files failed: {err.decode(errors='replace')[-300:]}")
-        digest = await self.orch.artifacts.seal_upper(tmp)
+        digest = await self.host.artifacts.seal_upper(tmp)
         if digest:
             self._pins[build.build_id].add(digest)
         return [digest] if digest else []
@@ -689,7 +694,7 @@ class TemplateService:
         try:
             out, targets = await asyncio.to_thread(_restage, archive, src, dest, work)
             inside = f"/tmp/.agentenv-copy-{n}.tar"
-            slot = self.orch._slots[rec.sandbox_id]
+            slot = self.host.slots[rec.sandbox_id]
             await envd_client.upload_file(slot.host_ip, access_token=rec.envd_access_token, path=inside, src=out)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -714,17 +719,15 @@ class TemplateService:
         image_dir = self.paths.sandbox_dir(sid) / "capture"
         try:
             if start_cmd:
-                slot = self.orch._slots[sid]
+                slot = self.host.slots[sid]
                 await envd_client.run_process(slot.host_ip, access_token=rec.envd_access_token, cmd=start_cmd,
                                               user=chain.state.user, cwd=chain.state.workdir, envs=chain.state.env,
                                               shell=self._shell(rec), background=True)
                 blog.add(f"Started: {start_cmd}", step="finalize")
             if ready_cmd or start_cmd:
                 await self._wait_ready(rec, ready_cmd or "sleep 1", chain.state, blog)
-            await self.orch._checkpoint(rec, image_dir)
-            await self.orch.rootfs.unmount(sid)
-            top = await self.orch.artifacts.seal_upper(self.orch.rootfs.upper_path(sid))
-            mem = await self.orch.artifacts.seal_memory(image_dir)
+            sealed = await self.host.capture(rec, image_dir)
+            top, mem = sealed.layer, sealed.memory
             layers = ([top] if top else []) + list(chain.layers)
             self._pins[build.build_id].update([*layers, f"memory:{mem}"])
             build.image, build.layers, build.memory_digest = chain.image, layers, mem
@@ -732,10 +735,10 @@ class TemplateService:
             build.env_vars = {}
             await self.store.put_build(build)
         except BaseException:
-            self.orch._keep_logs(sid, "template-build")  # runsc's own log says why a checkpoint failed
+            self.host.keep_logs(sid, "template-build")  # runsc's own log says why a checkpoint failed
             raise
         finally:
-            await asyncio.shield(self.orch._teardown(sid))
+            await asyncio.shield(self.host.teardown(sid))
 
     async def _wait_ready(self, rec: SandboxRecord, ready_cmd: str, state: StepState, blog: BuildLog) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S

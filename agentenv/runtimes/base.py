@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Protocol
 
 from agentenv.network.slots import NetSlot
-from agentenv.storage.guest import VmBoot, VmDisk  # noqa: F401 - part of the seam: SandboxSpec.vm
+from agentenv.storage.guest import VmBoot, VmDisk  # part of the seam: SandboxSpec.vm
+
+__all__ = ["Runtime", "RuntimeTraits", "SandboxSpec", "VmBoot", "VmDisk"]
 
 
 @dataclass
