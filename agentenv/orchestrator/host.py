@@ -230,7 +230,8 @@ class SandboxHost:
         else:
             with span("runtime.restore", rec.sandbox_id):
                 await rt.restore(spec, restore_from)
-        await self.network.activate(slot)
+        with span("network.activate", rec.sandbox_id):
+            await self.network.activate(slot)
         with span("envd.wait_healthy", rec.sandbox_id):
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
                                            timeout=rt.traits.envd_timeout_s)
@@ -258,11 +259,12 @@ class SandboxHost:
 
         Before a checkpoint the runtime resets what the sandbox still holds (`checkpoint`).
         """
-        for cb in self.on_before_stop:
-            try:
-                await cb(sandbox_id)
-            except Exception:  # noqa: BLE001
-                log.exception("before-stop hook failed for %s", sandbox_id)
+        with span("host.quiesce", sandbox_id):
+            for cb in self.on_before_stop:
+                try:
+                    await cb(sandbox_id)
+                except Exception:  # noqa: BLE001
+                    log.exception("before-stop hook failed for %s", sandbox_id)
 
     async def holds_connections(self, sandbox_id: str) -> bool:
         """Whether programs in the sandbox hold TCP connections (envd's view of its /proc/net/tcp).
@@ -293,7 +295,8 @@ class SandboxHost:
         await self.quiesce(sid)
         kwargs = {}
         if rt.traits.resets_connections:  # gVisor >= 20240729 (VMs save TCP state with the guest kernel)
-            kwargs["reset_connections"] = await self.holds_connections(sid)
+            with span("envd.connections", sid):
+                kwargs["reset_connections"] = await self.holds_connections(sid)
         try:
             with span("runtime.checkpoint", sid):
                 await rt.checkpoint(sid, image_dir, **kwargs)
@@ -318,7 +321,8 @@ class SandboxHost:
         its rootfs (`keep_disk`: the upper stays readable for a restore in place), seal the upper into
         a content-addressed layer, then the memory image `image` (if any) into an artifact.
         `on_layer` runs between the two (a capture records the new layer before the slow part)."""
-        await self.rootfs.unmount(sandbox_id, keep_disk=keep_disk)
+        with span("rootfs.unmount", sandbox_id):
+            await self.rootfs.unmount(sandbox_id, keep_disk=keep_disk)
         with span("seal.upper", sandbox_id):
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sandbox_id))
         if on_layer is not None:
@@ -341,13 +345,15 @@ class SandboxHost:
         """Release everything a sandbox holds; each step idempotent and independent of the others."""
         await self.quiesce(sandbox_id)
         try:
-            await self.runtime_for(sandbox_id, recorded_runtime).stop(sandbox_id)
+            with span("runtime.stop", sandbox_id):
+                await self.runtime_for(sandbox_id, recorded_runtime).stop(sandbox_id)
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
         await self.release_slot(sandbox_id)
         try:
-            await self.rootfs.release(sandbox_id)
+            with span("rootfs.release", sandbox_id):
+                await self.rootfs.release(sandbox_id)
         except Exception:  # noqa: BLE001
             log.exception("rootfs release failed for %s", sandbox_id)
 
@@ -365,7 +371,8 @@ class SandboxHost:
         slot = self.slots.pop(sandbox_id, None) or self.network.slot_for(sandbox_id)
         if slot is not None:
             try:
-                await self.network.release(slot)
+                with span("network.release", sandbox_id):
+                    await self.network.release(slot)
             except Exception:  # noqa: BLE001
                 log.exception("network release failed for %s", sandbox_id)
 

@@ -19,7 +19,7 @@ from agentenv.errors import AgentEnvError, BadRequest, NotFound, RuntimeFailure
 from agentenv.models import (SandboxRecord, SandboxState, SnapshotRecord, TemplateBuildRecord, TemplateRecord,
                              utcnow)
 from agentenv.network.policy import parse_policy
-from agentenv.orchestrator import operations as ops
+from agentenv.orchestrator import operations as ops, trace
 from agentenv.orchestrator.admission import Admission
 from agentenv.orchestrator.catalog import SnapshotCatalog
 from agentenv.orchestrator.host import SandboxHost
@@ -101,6 +101,7 @@ class Starts:
             image=(snap.image if snap else build.image if build else tmpl.image),
             layers=list(snap.layers) if snap else list(build.layers) if build else [],
             snapshot_id=snap.snapshot_id if snap else None)
+        trace.name_sandbox(rec.sandbox_id)
         if req.network and req.network.get("allowPublicTraffic") is False:
             rec.traffic_access_token = secrets.token_urlsafe(24)
         t0 = time.monotonic()

@@ -89,6 +89,13 @@ def operation(op: str, sandbox_id: str | None = None) -> Iterator[Trace]:
                      f" ({tr.error})" if tr.error else "", steps or "no steps")
 
 
+def name_sandbox(sandbox_id: str) -> None:
+    """The current operation made this sandbox (a create learns its id after the trace began)."""
+    tr = _CURRENT.get()
+    if tr is not None and tr.sandbox_id is None:
+        tr.sandbox_id = sandbox_id
+
+
 def recent(limit: int = 50) -> list[dict]:
     """The last traces, newest first (for a debug view)."""
     return [t.to_json() for t in list(_RECENT)[-limit:][::-1]]
