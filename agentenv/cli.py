@@ -16,8 +16,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agentenv import __version__
+from agentenv import __version__, cli_sandbox
 from agentenv.config import Settings
+from agentenv.mcp_server import mcp_command
 
 console = Console(stderr=True)
 
@@ -275,13 +276,17 @@ def image_build(data_dir: str | None, vm: bool | None) -> None:
 
 @image.command("list")
 @click.option("--data-dir", default=None)
-def image_list(data_dir: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="One JSON array (for scripts).")
+def image_list(data_dir: str | None, as_json: bool) -> None:
     """List built images."""
     from agentenv.storage.images import ImageStore
 
     store = ImageStore(_settings(data_dir))
-    table = Table()
     rows = store.list_images()
+    if as_json:
+        click.echo(json.dumps(rows, default=str))
+        return
+    table = Table()
     cols = list(rows[0].keys()) if rows else ["name"]
     for c in cols:
         table.add_column(str(c))
@@ -334,18 +339,31 @@ async def _with_auth(settings: Settings, fn):
 @click.option("--name", default="default", show_default=True)
 @click.option("--team", default="default", show_default=True)
 @click.option("--data-dir", default=None)
-def keys_create(name: str, team: str, data_dir: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="{key, keyID, name, teamID} (the key is shown only here)")
+def keys_create(name: str, team: str, data_dir: str | None, as_json: bool) -> None:
     """Create an API key; prints it once (only its hash is stored)."""
     key, rec = asyncio.run(_with_auth(_settings(data_dir), lambda a: a.create_key(name, team_id=team)))
+    if as_json:
+        click.echo(json.dumps({"key": key, **_key_json(rec)}))
+        return
     click.echo(key)
     console.print(f"key id {rec.key_id} (team {rec.team_id}); export E2B_API_KEY={key}")
+
+
+def _key_json(r) -> dict:
+    return {"keyID": r.key_id, "name": r.name, "teamID": r.team_id,
+            "createdAt": r.created_at.isoformat(timespec="seconds"), "revoked": r.revoked}
 
 
 @keys.command("list")
 @click.option("--team", default=None, help="Only this team's keys.")
 @click.option("--data-dir", default=None)
-def keys_list(team: str | None, data_dir: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="One JSON array (for scripts).")
+def keys_list(team: str | None, data_dir: str | None, as_json: bool) -> None:
     recs = asyncio.run(_with_auth(_settings(data_dir), lambda a: a.list_keys(team_id=team)))
+    if as_json:
+        click.echo(json.dumps([_key_json(r) for r in recs]))
+        return
     table = Table()
     for c in ("id", "name", "team", "created", "revoked"):
         table.add_column(c)
@@ -387,7 +405,9 @@ def _quota(value: str) -> int | None:
 @click.option("--name", default=None, help="Display name (default: the id).")
 @click.option("--max-sandboxes", default=None, help="Concurrent-sandbox quota, or 'default'.")
 @click.option("--data-dir", default=None)
-def teams_create(team_id: str, name: str | None, max_sandboxes: str | None, data_dir: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="The team as JSON.")
+def teams_create(team_id: str, name: str | None, max_sandboxes: str | None, data_dir: str | None,
+                 as_json: bool) -> None:
     """Create a team (idempotent); `agentenv keys create --team ID` then issues its keys."""
     async def go(a):
         await a.ensure_team(team_id, name)
@@ -396,14 +416,23 @@ def teams_create(team_id: str, name: str | None, max_sandboxes: str | None, data
         return await a.get_team(team_id)
 
     team = _run_auth(data_dir, go)
-    click.echo(team.team_id)
+    click.echo(json.dumps(_team_json(team)) if as_json else team.team_id)
+
+
+def _team_json(t) -> dict:
+    return {"teamID": t.team_id, "name": t.name, "maxSandboxes": t.max_sandboxes,
+            "createdAt": t.created_at.isoformat(timespec="seconds")}
 
 
 @teams.command("list")
 @click.option("--data-dir", default=None)
-def teams_list(data_dir: str | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="One JSON array (maxSandboxes null = the default).")
+def teams_list(data_dir: str | None, as_json: bool) -> None:
     settings = _settings(data_dir)
     recs = _run_auth(data_dir, lambda a: a.list_teams())
+    if as_json:
+        click.echo(json.dumps([_team_json(t) for t in recs]))
+        return
     table = Table()
     for c in ("team", "name", "max sandboxes", "created"):
         table.add_column(c)
@@ -438,7 +467,8 @@ def _run_auth(data_dir: str | None, fn):
 
 @main.group()
 def templates() -> None:
-    """Templates in the state store: list them, make one of an image, choose the runtime of one."""
+    """Templates: build one on a running server (`build`); list, create and set the runtime of
+    templates in this host's state store (`list`, `create`, `set-runtime`)."""
 
 
 def _run_store(data_dir: str | None, fn):
@@ -471,15 +501,18 @@ def _runtime_choice(value: str) -> str | None:
     return None if name == "auto" else name
 
 
+def _template_json(t) -> dict:
+    return {"templateID": t.template_id, "aliases": t.aliases, "image": t.image, "runtime": t.runtime,
+            "cpuCount": t.cpu_count, "memoryMB": t.memory_mb, "teamID": t.team_id}
+
+
 @templates.command("list")
 @click.option("--json", "as_json", is_flag=True, help="One JSON array (for scripts).")
 @click.option("--data-dir", default=None)
 def templates_list(as_json: bool, data_dir: str | None) -> None:
     recs = _run_store(data_dir, lambda st: st.list_templates())
     if as_json:
-        click.echo(json.dumps([{"templateID": t.template_id, "aliases": t.aliases, "image": t.image,
-                                "runtime": t.runtime, "cpuCount": t.cpu_count, "memoryMB": t.memory_mb,
-                                "teamID": t.team_id} for t in recs]))
+        click.echo(json.dumps([_template_json(t) for t in recs]))
         return
     table = Table()
     for c in ("template", "aliases", "image", "runtime", "cpu", "memory MiB", "team"):
@@ -498,8 +531,9 @@ def templates_list(as_json: bool, data_dir: str | None) -> None:
 @click.option("--cpu", "cpu_count", type=click.IntRange(1, 64), default=None)
 @click.option("--memory-mb", type=click.IntRange(128, 262144), default=None)
 @click.option("--data-dir", default=None)
+@click.option("--json", "as_json", is_flag=True, help="The template as JSON.")
 def templates_create(name: str, image: str, runtime: str, cpu_count: int | None, memory_mb: int | None,
-                     data_dir: str | None) -> None:
+                     data_dir: str | None, as_json: bool) -> None:
     """A built-in template NAME (visible to every team) of IMAGE, whose sandboxes run under RUNTIME."""
     from agentenv.models import TemplateRecord
     from agentenv.orchestrator.templates import new_template_id
@@ -520,6 +554,9 @@ def templates_create(name: str, image: str, runtime: str, cpu_count: int | None,
         return rec
 
     rec = _run_store(data_dir, go)
+    if as_json:
+        click.echo(json.dumps(_template_json(rec)))
+        return
     click.echo(f"template {name} ({rec.template_id}): image {image}, runtime {rt or 'node default'}")
 
 
@@ -549,11 +586,13 @@ def templates_set_runtime(template: str, runtime: str, data_dir: str | None) -> 
 
 
 def _api(api_url: str | None, api_key: str | None) -> tuple[str, dict[str, str]]:
-    url = (api_url or os.environ.get("E2B_API_URL") or "http://127.0.0.1:3000").rstrip("/")
-    key = api_key or os.environ.get("E2B_API_KEY")
-    if not key:
-        raise click.ClickException("set E2B_API_KEY or pass --api-key")
-    return url, {"X-API-KEY": key}
+    from agentenv.client import ApiError, resolve_endpoint
+
+    try:
+        ep = resolve_endpoint(api_url, api_key)
+    except ApiError as e:
+        raise click.ClickException(e.message) from None
+    return ep.api_url, {"X-API-KEY": ep.api_key}
 
 
 def _call(method: str, url: str, headers: dict[str, str], body: dict | None = None):
@@ -572,8 +611,9 @@ def _call(method: str, url: str, headers: dict[str, str], body: dict | None = No
     return asyncio.run(go())
 
 
-api_opts = [click.option("--api-url", default=None, help="default $E2B_API_URL"),
-            click.option("--api-key", default=None, help="default $E2B_API_KEY")]
+api_opts = [click.option("--api-url", default=None, help="default $E2B_API_URL, $AGENTENV_API_URL, "
+                                                        "http://127.0.0.1:3000"),
+            click.option("--api-key", default=None, help="default $E2B_API_KEY, $AGENTENV_API_KEY")]
 
 
 def _with_api_opts(f):
@@ -608,11 +648,30 @@ def sandbox_list(as_json, api_url, api_key) -> None:
 @sandbox.command("create")
 @click.option("--template", default="base", show_default=True)
 @click.option("--timeout", type=int, default=300, show_default=True)
+@click.option("--metadata", "-m", multiple=True, help="KEY=VALUE (repeatable)")
+@click.option("--env", "-e", "env", multiple=True, help="NAME=VALUE for every process (repeatable)")
+@click.option("--json", "as_json", is_flag=True, help="print the API's answer (sandboxID, envdAccessToken, ...)")
 @_with_api_opts
-def sandbox_create(template, timeout, api_url, api_key) -> None:
+def sandbox_create(template, timeout, metadata, env, as_json, api_url, api_key) -> None:
+    """Create a sandbox from a template (or snapshot) and print its id."""
     url, h = _api(api_url, api_key)
-    r = _call("POST", f"{url}/v2/sandboxes", h, {"templateID": template, "timeout": timeout})
-    click.echo(r["sandboxID"])
+    body: dict = {"templateID": template, "timeout": timeout}
+    if metadata:
+        body["metadata"] = _pairs(metadata, "--metadata")
+    if env:
+        body["envVars"] = _pairs(env, "--env")
+    r = _call("POST", f"{url}/v2/sandboxes", h, body)
+    click.echo(json.dumps(r) if as_json else r["sandboxID"])
+
+
+def _pairs(values: tuple[str, ...], hint: str) -> dict[str, str]:
+    out = {}
+    for v in values:
+        k, eq, val = v.partition("=")
+        if not eq or not k:
+            raise click.BadParameter(f"{v!r}: expected KEY=VALUE", param_hint=hint)
+        out[k] = val
+    return out
 
 
 @sandbox.command("kill")
@@ -629,14 +688,18 @@ def sandbox_kill(sandbox_ids, api_url, api_key) -> None:
 @click.argument("sandbox_id")
 @click.option("--count", type=int, default=1, show_default=True, help="children to start from one capture")
 @click.option("--timeout", type=int, default=None, help="children's TTL in seconds (server default if unset)")
+@click.option("--json", "as_json", is_flag=True, help="print the API's answer (one result per child)")
 @_with_api_opts
-def sandbox_fork(sandbox_id, count, timeout, api_url, api_key) -> None:
+def sandbox_fork(sandbox_id, count, timeout, as_json, api_url, api_key) -> None:
     """Fork a running sandbox into COUNT children that continue from its exact state."""
     url, h = _api(api_url, api_key)
     body: dict = {"count": count}
     if timeout is not None:
         body["timeout"] = timeout
     results = _call("POST", f"{url}/sandboxes/{sandbox_id}/fork", h, body) or []
+    if as_json:
+        click.echo(json.dumps(results))
+        sys.exit(1 if any(not r.get("sandbox") for r in results) else 0)
     failed = 0
     for r in results:
         if r.get("sandbox"):
@@ -677,14 +740,15 @@ def snapshot() -> None:
 @click.argument("sandbox_id")
 @click.option("--name", default=None)
 @click.option("--filesystem-only", is_flag=True, help="keep files only (sandboxes from it boot fresh)")
+@click.option("--json", "as_json", is_flag=True, help="print the API's answer (snapshotID, names, sizes)")
 @_with_api_opts
-def snapshot_create(sandbox_id, name, filesystem_only, api_url, api_key) -> None:
+def snapshot_create(sandbox_id, name, filesystem_only, as_json, api_url, api_key) -> None:
     url, h = _api(api_url, api_key)
     body: dict = {"memory": not filesystem_only}
     if name:
         body["name"] = name
     r = _call("POST", f"{url}/sandboxes/{sandbox_id}/snapshots", h, body)
-    click.echo(r["snapshotID"])
+    click.echo(json.dumps(r) if as_json else r["snapshotID"])
 
 
 @snapshot.command("list")
@@ -714,6 +778,13 @@ def snapshot_delete(snapshot_ids, api_url, api_key) -> None:
     for sid in snapshot_ids:
         _call("DELETE", f"{url}/snapshots/{sid}", h)
         click.echo(f"deleted {sid}")
+
+
+# ---------------------------------------------------------------- exec, shell, logs, files, template build
+
+cli_sandbox.register(sandbox, templates)
+main.add_command(templates, "template")  # `agentenv template build`, as E2B's CLI spells it
+main.add_command(mcp_command)
 
 
 # ---------------------------------------------------------------- gc

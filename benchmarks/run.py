@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import http.client
+import ipaddress
 import json
 import os
 import platform
@@ -31,6 +33,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -186,6 +189,52 @@ def pct(xs: list[float], p: float) -> float:
 def stats(xs: list[float]) -> dict:
     return {"n": len(xs), "p50": pct(xs, 50), "p95": pct(xs, 95), "max": max(xs) if xs else None,
             "min": min(xs) if xs else None, "mean": statistics.fmean(xs) if xs else None, "raw": xs}
+
+
+def slot_host_ip(sandbox_id: str) -> str:
+    """The address the host reaches a sandbox's envd at: the root-ns link of its slot carries the
+    sandbox id as its alias and the slot's peer address; the host address is the next one."""
+    for link in Path("/sys/class/net").iterdir():
+        try:
+            alias = (link / "ifalias").read_text().strip()
+        except OSError:
+            continue
+        if alias == sandbox_id:
+            out = subprocess.run(["ip", "-4", "-o", "addr", "show", "dev", link.name], capture_output=True,
+                                 text=True, check=True).stdout.split()
+            peer = out[out.index("inet") + 1].split("/")[0]
+            return str(ipaddress.IPv4Address(peer) + 1)
+    raise RuntimeError(f"no slot link with alias {sandbox_id}")
+
+
+def http_transfer(host: str, port: int, method: str, target: str, headers: dict, body: bytes | None = None,
+                  into: bytearray | None = None) -> float:
+    """Seconds for one plain HTTP/1.1 request carrying `body` (octet-stream) or reading the answer into
+    `into` (identity encoding): http.client with one send and readinto, so the client costs little."""
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    try:
+        hdrs = {**headers, "Accept-Encoding": "identity"}
+        if body is not None:
+            hdrs["Content-Type"] = "application/octet-stream"
+        t0 = time.monotonic()
+        conn.request(method, target, body=body, headers=hdrs)
+        resp = conn.getresponse()
+        if into is not None:
+            view, got = memoryview(into), 0
+            while got < len(into):
+                n = resp.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            resp.read()
+        else:
+            resp.read()
+        elapsed = time.monotonic() - t0
+        if resp.status != 200 or (into is not None and got != len(into)):
+            raise RuntimeError(f"{method} {target}: HTTP {resp.status}, {got if into is not None else 0} bytes")
+        return elapsed
+    finally:
+        conn.close()
 
 
 def loadavg() -> list[float]:
@@ -594,10 +643,16 @@ class Bench:
         reps = 2 if self.quick else 4
         size = 64 * MiB
         data = os.urandom(size)
-        log(f"files: {reps} x 64 MiB write/read via SDK, host disk, dd in sandbox")
+        log(f"files: {reps} x 64 MiB write/read via SDK, raw HTTP via proxy and straight to envd, host disk, dd")
         w, r, lw, lr, dw, dr = [], [], [], [], [], []
+        pw, pr, ew, er = [], [], [], []
         sbx = self.create()
         local = BENCH_DIR / "files-baseline.bin"
+        envd_ip = slot_host_ip(sbx.sandbox_id)
+        token = {"X-Access-Token": sbx._envd_access_token} if sbx._envd_access_token else {}
+        proxy = urlsplit(self.srv.url)
+        proxied = {**token, "E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+        buf = bytearray(size)
         try:
             for i in range(reps):
                 t0 = time.monotonic()
@@ -609,6 +664,14 @@ class Bench:
                 if len(back) != size or back[:4096] != data[:4096] or back[-4096:] != data[-4096:]:
                     raise RuntimeError("files.read returned different bytes")
                 del back
+                # the same bytes as one octet-stream request each way: through the proxy, then to envd
+                for (host, port, headers), (tw, tr) in (((proxy.hostname, proxy.port, proxied), (pw, pr)),
+                                                       ((envd_ip, 49983, token), (ew, er))):
+                    target = f"/files?path=/tmp/raw-{i}.bin&username=user"
+                    tw.append(http_transfer(host, port, "POST", target, headers, body=data))
+                    tr.append(http_transfer(host, port, "GET", target, headers, into=buf))
+                    if buf[:4096] != data[:4096] or buf[-4096:] != data[-4096:]:
+                        raise RuntimeError("GET /files returned different bytes")
                 t0 = time.monotonic()
                 local.write_bytes(data)
                 lw.append(time.monotonic() - t0)
@@ -622,14 +685,16 @@ class Bench:
                 if len(secs) == 2:
                     dw.append(secs[0])
                     dr.append(secs[1])
-                sbx.commands.run(f"rm -f /tmp/bench-{i}.bin /tmp/dd-{i}.bin")
+                sbx.commands.run(f"rm -f /tmp/bench-{i}.bin /tmp/raw-{i}.bin /tmp/dd-{i}.bin")
         finally:
             sbx.kill()
             local.unlink(missing_ok=True)
 
         def mbps(ts):
             return {**stats(ts), "MiBps_p50": 64 / pct(ts, 50) if ts else None}
-        self.results["files"] = {"size_MiB": 64, "sdk_write": mbps(w), "sdk_read": mbps(r), "host_write": mbps(lw),
+        self.results["files"] = {"size_MiB": 64, "sdk_write": mbps(w), "sdk_read": mbps(r),
+                                 "proxy_http_write": mbps(pw), "proxy_http_read": mbps(pr),
+                                 "envd_http_write": mbps(ew), "envd_http_read": mbps(er), "host_write": mbps(lw),
                                  "host_read": mbps(lr), "sandbox_dd_write": mbps(dw), "sandbox_dd_read": mbps(dr)}
 
     # 4a -----------------------------------------------------------------
@@ -1148,6 +1213,10 @@ def report(res: dict) -> str:
         L += ["### 3. File throughput (64 MiB of random bytes)", "",
               "| | n | p50 time | p50 MiB/s | max time |", "|---|---|---|---|---|"]
         for label, k in [("**agentenv** `files.write`", "sdk_write"), ("**agentenv** `files.read`", "sdk_read"),
+                         ("HTTP `POST /files` (octet-stream) through the proxy", "proxy_http_write"),
+                         ("HTTP `GET /files` (identity) through the proxy", "proxy_http_read"),
+                         ("HTTP `POST /files` straight to envd (slot address)", "envd_http_write"),
+                         ("HTTP `GET /files` straight to envd (slot address)", "envd_http_read"),
                          ("host: `write_bytes` to /var/tmp (page cache, no fsync)", "host_write"),
                          ("host: `read_bytes` (page cache)", "host_read"),
                          ("in sandbox: `dd if=/dev/zero bs=1M count=64`", "sandbox_dd_write"),

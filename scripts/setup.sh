@@ -2,7 +2,8 @@
 # Idempotent host setup for agentenv (run as root on Debian/Ubuntu).
 #
 #   bash scripts/setup.sh          # server dependencies + .venv with agentenv
-#   bash scripts/setup.sh --test   # additionally test extras, Node.js/npm and tests/js (npm ci),
+#   bash scripts/setup.sh --test   # additionally test extras, Node.js/npm and tests/js (npm ci: the JS
+#                                  # SDK pins and the E2B CLI), .venv-sdk-latest (the newest Python SDK),
 #                                  # and Firecracker (scripts/install-firecracker.sh)
 #
 # Work that is already done is skipped (dpkg checks, a pyproject hash stamp for pip,
@@ -205,6 +206,25 @@ if [ "$NEED_PIP" -eq 1 ]; then
   printf '%s %s\n' "$PYPROJECT_HASH" "$TARGET" > "$STAMP"
 else
   log "python packages up to date"
+fi
+
+# --- the newest E2B Python SDK release, apart from .venv (tests/e2e/test_e2e_sdk_versions.py) ---------
+# .venv holds the suite's pin (pyproject.toml); .venv-sdk-latest the newest release, pinned in
+# tests/sdk-latest/requirements.txt (its npm twin is the e2b-latest alias in tests/js/package.json).
+if [ "$WITH_TEST" -eq 1 ]; then
+  LATEST_VENV="$REPO_ROOT/.venv-sdk-latest"
+  LATEST_REQ="$REPO_ROOT/tests/sdk-latest/requirements.txt"
+  LATEST_STAMP="$LATEST_VENV/.agentenv-setup-stamp"
+  LATEST_WANT="$(sha256sum "$LATEST_REQ" | cut -d' ' -f1) $("$VENV/bin/python" --version 2>&1)"
+  if [ -x "$LATEST_VENV/bin/python" ] && [ -f "$LATEST_STAMP" ] && [ "$(cat "$LATEST_STAMP")" = "$LATEST_WANT" ]; then
+    log ".venv-sdk-latest up to date"
+  else
+    log "creating .venv-sdk-latest ($(grep -v '^#' "$LATEST_REQ" | xargs))"
+    rm -rf "$LATEST_VENV"
+    "$VENV/bin/python" -m venv "$LATEST_VENV"
+    PYTHONWARNINGS=ignore "$LATEST_VENV/bin/python" -m pip install -q -r "$LATEST_REQ"
+    printf '%s\n' "$LATEST_WANT" > "$LATEST_STAMP"
+  fi
 fi
 
 # --- JS SDK for tests/js (npm ci; skipped when package-lock.json is unchanged) -

@@ -20,14 +20,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
 from typing import Any, Awaitable, Callable, Protocol, TypeVar
-from urllib.parse import unquote, urlencode
+from urllib.parse import urlencode
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import AbstractRoute
 from pydantic import BaseModel, ValidationError
 
-from agentenv.api import schemas
+from agentenv.api import sandbox_list, schemas
 from agentenv.api.auth import ApiKeyAuth
+from agentenv.api.sandbox_list import parse_metadata_filter
+from agentenv.api.compat import (IdempotentCreates, compat_routes, refuse_memoryless_resume,
+                                 refuse_unsupported_create)
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord
@@ -42,7 +45,7 @@ M = TypeVar("M", bound=BaseModel)
 PAGE_LIMIT_MAX = 100
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
-    "Access-Control-Expose-Headers": "X-Next-Token, X-Request-Id",
+    "Access-Control-Expose-Headers": "X-Next-Token, X-Total-Running, X-Request-Id",
 }
 CORS_PREFLIGHT_HEADERS = {
     "Access-Control-Allow-Methods": "GET, POST, PUT, DELETE, OPTIONS",
@@ -144,32 +147,6 @@ def _check_timeout(timeout: int, settings: Settings, name: str = "timeout") -> i
     return timeout
 
 
-def parse_metadata_filter(value: str) -> dict[str, str]:
-    """Decodes the `metadata` query value as E2B does (see e2b-protocol.md 3.4).
-
-    `value` is already query-decoded once by the framework; it is `k=v&k2=v2`, URL-encoded once
-    more as a whole and again per key/value.
-    """
-    out: dict[str, str] = {}
-    for pair in unquote(value).split("&"):
-        if not pair:
-            continue
-        key, sep, val = pair.partition("=")
-        if not sep or not key:
-            raise BadRequest(f"Invalid metadata filter {value!r}: expected key=value pairs joined by '&'")
-        out[unquote(key)] = unquote(val)
-    return out
-
-
-def _parse_time(value: str, name: str) -> datetime:
-    # A literal '+' of an unencoded offset arrives as a space after query decoding.
-    try:
-        dt = datetime.fromisoformat(value.strip().replace(" ", "+"))
-    except ValueError:
-        raise BadRequest(f"Invalid {name} {value!r}: expected an RFC 3339 time") from None
-    return dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)
-
-
 def _encode_cursor(at: datetime, item_id: str) -> str:
     raw = json.dumps([at.astimezone(timezone.utc).isoformat(), item_id])
     return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
@@ -184,10 +161,6 @@ def decode_page_token(token: str) -> tuple[datetime, str]:
         return at, sandbox_id
     except (ValueError, TypeError, binascii.Error):
         raise BadRequest("Invalid nextToken: pass the X-Next-Token value of a previous response") from None
-
-
-def _sort_key(rec: SandboxRecord) -> tuple[datetime, str]:
-    return rec.started_at, rec.sandbox_id
 
 
 def _snapshot_sort_key(rec: SnapshotRecord) -> tuple[datetime, str]:
@@ -224,6 +197,7 @@ class _Handlers:
         self.ctx = ctx
         self.orch = ctx.orchestrator
         self.settings = ctx.settings
+        self.creates = IdempotentCreates()
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -326,6 +300,13 @@ class _Handlers:
 
     async def _create(self, request: web.Request, body: schemas.NewSandboxV2, *, timeout: int,
                       secure: bool) -> web.Response:
+        refuse_unsupported_create(body)
+        fingerprint = self.creates.fingerprint(request, body, timeout=timeout, secure=secure)
+        return await self.creates.run(request, request[_TEAM], fingerprint, functools.partial(
+            self._start_sandbox, request, body, timeout=timeout, secure=secure))
+
+    async def _start_sandbox(self, request: web.Request, body: schemas.NewSandboxV2, *, timeout: int,
+                             secure: bool) -> web.Response:
         rec = await self.orch.create_sandbox(
             team_id=request[_TEAM],
             template=body.template_id,
@@ -350,45 +331,29 @@ class _Handlers:
         timeout = self.settings.default_timeout_s if body.timeout is None else body.timeout
         return await self._create(request, body, timeout=timeout, secure=True)
 
-    def _filter(self, recs: list[SandboxRecord], request: web.Request) -> list[SandboxRecord]:
-        q = request.query
-        if "metadata" in q:
-            wanted = parse_metadata_filter(q["metadata"])
-            recs = [r for r in recs if all(r.metadata.get(k) == v for k, v in wanted.items())]
-        return recs
-
     async def list_v1(self, request: web.Request) -> web.Response:
+        """Running sandboxes only, newest first (E2B's deprecated list)."""
+        wanted = parse_metadata_filter(request.query["metadata"]) if "metadata" in request.query else None
         recs = [r for r in await self.orch.list_sandboxes(team_id=request[_TEAM]) if r.state.public == "running"]
-        recs = sorted(self._filter(recs, request), key=_sort_key, reverse=True)
+        recs = sandbox_list.in_order(sandbox_list.match_metadata(recs, wanted), ascending=False)
         return web.json_response([schemas.listed_sandbox_json(r) for r in recs])
 
     async def list_v2(self, request: web.Request) -> web.Response:
-        q = request.query
-        # Validate every parameter before touching the orchestrator.
-        states: set[str] | None = None
-        if q.get("state"):
-            # SDKs send `state=running,paused`; repeated `state=` params are accepted too.
-            states = {s.strip() for v in q.getall("state") for s in v.split(",") if s.strip()}
-            bad = states - {"running", "paused"}
-            if bad:
-                raise BadRequest(f"Invalid state {sorted(bad)[0]!r}: expected 'running' and/or 'paused'")
-        order = q.get("order", "desc")
-        if order not in ("asc", "desc"):
-            raise BadRequest(f"Invalid order {order!r}: expected 'asc' or 'desc'")
-        started_after = _parse_time(q["startedAfter"], "startedAfter") if q.get("startedAfter") else None
-        limit = _parse_limit(q)
-        cursor = decode_page_token(q["nextToken"]) if q.get("nextToken") else None
-        if "metadata" in q:
-            parse_metadata_filter(q["metadata"])
+        query = sandbox_list.parse_query(request.query)  # every parameter, before the orchestrator
+        team_id = request[_TEAM]
 
-        recs = self._filter(await self.orch.list_sandboxes(team_id=request[_TEAM]), request)
-        if states is not None:
-            recs = [r for r in recs if r.state.public in states]
-        if started_after is not None:
-            recs = [r for r in recs if r.started_at > started_after]
-        if q.get("template"):
-            recs = [r for r in recs if q["template"] in (r.template_id, r.alias)]
-        return _page(recs, _sort_key, cursor, limit, desc=order == "desc", to_json=schemas.listed_sandbox_json)
+        async def template_id(name: str) -> str | None:
+            templates = getattr(self.orch, "templates", None)  # absent on a cluster gateway
+            tmpl = await templates.find_template(name, team_id) if templates is not None else None
+            return tmpl.template_id if tmpl is not None else None
+
+        page = await sandbox_list.list_page(await self.orch.list_sandboxes(team_id=team_id), query, template_id)
+        resp = web.json_response([schemas.listed_sandbox_json(r) for r in page.items])
+        if page.next_token is not None:
+            resp.headers[sandbox_list.NEXT_TOKEN_HEADER] = page.next_token
+        if page.total_running is not None:
+            resp.headers[sandbox_list.TOTAL_RUNNING_HEADER] = str(page.total_running)
+        return resp
 
     async def get_sandbox(self, request: web.Request) -> web.Response:
         rec = await self.orch.get_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM])
@@ -414,7 +379,9 @@ class _Handlers:
         await self.orch.refresh(request.match_info["sandboxID"], body.duration, team_id=request[_TEAM])
         return web.Response(status=204)
 
-    async def _connect(self, request: web.Request, timeout: int) -> web.Response:
+    async def _connect(self, request: web.Request, timeout: int, memory: bool | None = None) -> web.Response:
+        if memory is False:
+            refuse_memoryless_resume(await self.orch.get_sandbox(request.match_info["sandboxID"], team_id=request[_TEAM]))
         rec, resumed = await self.orch.connect_sandbox(
             request.match_info["sandboxID"], _check_timeout(timeout, self.settings), team_id=request[_TEAM]
         )
@@ -422,11 +389,12 @@ class _Handlers:
 
     async def connect_v1(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.ConnectSandbox, required=True)
-        return await self._connect(request, body.timeout)
+        return await self._connect(request, body.timeout, body.memory)
 
     async def connect_v2(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.ConnectSandboxV2, required=False)
-        return await self._connect(request, self.settings.default_timeout_s if body.timeout is None else body.timeout)
+        return await self._connect(request, self.settings.default_timeout_s if body.timeout is None else body.timeout,
+                                   body.memory)
 
     async def resume(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.ResumedSandbox, required=False)
@@ -435,6 +403,8 @@ class _Handlers:
         rec = await self.orch.get_sandbox(sandbox_id, team_id=request[_TEAM])
         if rec.state.public == "running":
             raise Conflict(f"Sandbox {sandbox_id} is already running")
+        if body.memory is False:
+            refuse_memoryless_resume(rec)
         rec, _ = await self.orch.connect_sandbox(sandbox_id, timeout, team_id=request[_TEAM])
         return web.json_response(schemas.sandbox_json(rec, self.settings), status=201)
 
@@ -505,6 +475,21 @@ class _Handlers:
                 raise Forbidden(f"Template {template_id!r} is built in and cannot be deleted")
         await self.orch.delete_snapshot(template_id, team_id=request[_TEAM])
         return web.Response(status=204)
+
+    async def update_template(self, request: web.Request) -> web.Response:
+        """E2B's template update (`e2b template publish`/`unpublish`): only `public: false` can be honoured.
+
+        Templates are private to the team that built them (built-in ones are public to all); sharing a
+        built template with other teams is not supported, so publishing is refused with a clear error.
+        """
+        body = await _body(request, schemas.TemplateUpdateRequest, required=True)
+        tmpl, _ = await self.orch.templates.get_template(request.match_info["templateID"], request[_TEAM])
+        if tmpl.team_id is None:
+            raise Forbidden(f"template '{tmpl.template_id}' is built in (public to every team) and cannot be changed")
+        if body.public:
+            raise BadRequest("publishing a template is not supported by agentenv: a built template is private to "
+                             "the team that built it (see docs/limitations.md)", error_code="template_publish_unsupported")
+        return web.json_response({"names": list(tmpl.aliases)})
 
 
 # --- middleware -----------------------------------------------------------------------------------
@@ -612,6 +597,8 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("POST", "/templates/tags", h.assign_tags)
     add("DELETE", "/templates/tags", h.delete_tags)
     add("DELETE", "/templates/{templateID}", h.delete_template)
+    add("PATCH", "/templates/{templateID}", h.update_template)
+    add("PATCH", "/v2/templates/{templateID}", h.update_template)
     add("GET", "/teams", h.list_teams)
     add("GET", "/api-keys", h.list_api_keys)
     add("POST", "/api-keys", h.create_api_key)
@@ -624,6 +611,9 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("GET", "/templates/{templateID}/builds/{buildID}/status", h.template_build_status)
     add("GET", "/templates/aliases/{alias}", h.template_alias)
     add("GET", "/templates/{templateID}/tags", h.list_tags)
+    # E2B routes beyond the core (docs/e2b-compatibility.md)
+    for method, path, handler in compat_routes(orchestrator, lambda request: request[_TEAM]):
+        add(method, path, handler)
 
     app[API_CONTEXT] = ctx
     app.middlewares.append(_make_middleware(ctx))

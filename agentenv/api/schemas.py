@@ -61,6 +61,11 @@ class NewSandboxV2(_Body):
     network: NetworkConfig | None = None
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    # Accepted as E2B does: `mcp` is only recorded (the SDK starts the gateway itself); a create with
+    # volume mounts or workload-identity tokens is refused (agentenv/api/compat.py).
+    mcp: dict[str, Any] | None = None
+    volume_mounts: list[dict[str, Any]] | None = Field(default=None, alias="volumeMounts")
+    iam: dict[str, Any] | None = None
 
 
 class NewSandbox(NewSandboxV2):
@@ -184,6 +189,12 @@ class AssignTemplateTagsRequest(_Body):
     tags: list[str] = Field(min_length=1)
 
 
+class TemplateUpdateRequest(_Body):
+    """PATCH /templates/{id} and /v2/templates/{id} (the E2B CLI's `template publish`/`unpublish`)."""
+
+    public: bool | None = None
+
+
 class DeleteTemplateTagsRequest(_Body):
     name: str = Field(min_length=1)
     tags: list[str] = Field(min_length=1)
@@ -244,6 +255,8 @@ def sandbox_detail_json(rec: SandboxRecord, settings: Settings) -> dict[str, Any
         out["envdAccessToken"] = rec.envd_access_token
     if rec.network is not None:
         out["network"] = rec.network
+    if rec.state.value == "paused" and rec.pause_mode in ("full", "filesystem"):
+        out["pauseMode"] = rec.pause_mode  # what the pause saved (omitted while pausing, as in E2B)
     return out
 
 

@@ -28,7 +28,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import aiohttp
 from aiohttp import web
@@ -62,6 +62,10 @@ class _Reservation:
     cpu: int
     memory_mb: int
     expires: float
+    # Set when the gateway reports the start done: from then on the reservation no longer counts
+    # as a start in flight, but its load still does until a heartbeat of the node newer than this
+    # shows the new sandbox (otherwise the node looks emptier than it is and takes every next one).
+    done_at: datetime | None = None
 
 
 class Placement:
@@ -77,12 +81,15 @@ class Placement:
         self._reservations: dict[int, _Reservation] = {}
         self._ids = itertools.count(1)
 
-    def _pending(self, node_id: str) -> tuple[int, int, int]:
+    def _pending(self, n: NodeRecord) -> tuple[int, int, int, int]:
+        """(starts in flight, sandboxes, vCPUs, MiB) reserved on `n` beyond what its heartbeat shows."""
         now = time.monotonic()
-        for rid in [r for r, v in self._reservations.items() if v.expires < now]:
+        for rid in [r for r, v in self._reservations.items()
+                    if v.expires < now or (v.node_id == n.node_id and v.done_at and n.heartbeat_at > v.done_at)]:
             del self._reservations[rid]
-        rs = [r for r in self._reservations.values() if r.node_id == node_id]
-        return sum(r.count for r in rs), sum(r.cpu for r in rs), sum(r.memory_mb for r in rs)
+        rs = [r for r in self._reservations.values() if r.node_id == n.node_id]
+        return (sum(r.count for r in rs if r.done_at is None), sum(r.count for r in rs),
+                sum(r.cpu for r in rs), sum(r.memory_mb for r in rs))
 
     def fits(self, n: NodeRecord, req: Request) -> str | None:
         """None if `n` can take `req` now, else why not."""
@@ -92,11 +99,11 @@ class Placement:
             return "no recent heartbeat"
         if req.runtime and n.runtimes and req.runtime not in n.runtimes:
             return f"does not serve the {req.runtime} runtime"
-        p_count, _p_cpu, p_mem = self._pending(n.node_id)
+        starting, p_count, _p_cpu, p_mem = self._pending(n)
         if n.sandboxes + p_count + req.count > n.max_sandboxes:
             return f"at capacity ({n.sandboxes + p_count}/{n.max_sandboxes} sandboxes)"
-        if p_count and p_count + req.count > self.max_starting:
-            return f"busy starting {p_count} sandboxes"
+        if starting and starting + req.count > self.max_starting:
+            return f"busy starting {starting} sandboxes"
         if n.alloc_memory_mb + p_mem + req.memory_mb * req.count > n.memory_mb * self.memory_overcommit:
             return "memory fully allocated"
         if n.used_memory_mb + req.memory_mb // 4 * req.count > n.memory_mb * 0.95:
@@ -104,7 +111,7 @@ class Placement:
         return None
 
     def score(self, n: NodeRecord, req: Request) -> float:
-        p_count, p_cpu, p_mem = self._pending(n.node_id)
+        _starting, p_count, p_cpu, p_mem = self._pending(n)
         fullness = max((n.sandboxes + p_count) / max(n.max_sandboxes, 1),
                        (n.alloc_cpu + p_cpu) / max(n.cpu_count * self.cpu_overcommit, 1),
                        (n.alloc_memory_mb + p_mem) / max(n.memory_mb * self.memory_overcommit, 1))
@@ -133,7 +140,11 @@ class Placement:
         return best, rid
 
     def release(self, rid: int) -> None:
-        self._reservations.pop(rid, None)
+        """The start is over: its load counts until the node's next heartbeat shows it."""
+        r = self._reservations.get(rid)
+        if r is not None:
+            r.done_at = utcnow()
+            r.expires = min(r.expires, time.monotonic() + max(3 * self.dead_after_s, 30.0))
 
     @staticmethod
     def _full(req: Request, refusals: dict[str, str | None]) -> Unavailable:

@@ -11,6 +11,7 @@ from agentenv.envd.users import group_name, user_name
 
 XATTR_PREFIX = "user.e2b."
 
+FILE_TYPE_UNSPECIFIED = "FILE_TYPE_UNSPECIFIED"
 FILE_TYPE_FILE = "FILE_TYPE_FILE"
 FILE_TYPE_DIRECTORY = "FILE_TYPE_DIRECTORY"
 FILE_TYPE_SYMLINK = "FILE_TYPE_SYMLINK"
@@ -70,8 +71,23 @@ def read_metadata(target: str | int) -> dict[str, str]:
     return out
 
 
+def _resolve_link(path: str) -> str:
+    """Where a symlink finally leads, as an absolute path with every link resolved (Go's
+    filepath.EvalSymlinks, which E2B's envd uses); the link's own path when that fails (dangling,
+    a loop, no permission)."""
+    try:
+        return os.path.realpath(path, strict=True)
+    except (OSError, RuntimeError):
+        return path
+
+
 def entry_info(path: str, st: os.stat_result | None = None) -> dict:
-    """EntryInfo for `path` (not following a final symlink); raises OSError like os.lstat."""
+    """EntryInfo for `path` (not following a final symlink); raises OSError like os.lstat.
+
+    A symlink is described as E2B's envd describes it: `type` and `mode` are those of what it finally
+    points to (FILE_TYPE_UNSPECIFIED and 0 when that does not exist), `symlinkTarget` is that absolute
+    path, while `size`, `permissions` ("Lrwxrwxrwx"), owner, group and time are the link's own.
+    """
     st = st or os.lstat(path)
     mode = st.st_mode
     info: dict = {
@@ -85,21 +101,31 @@ def entry_info(path: str, st: os.stat_result | None = None) -> dict:
         "modifiedTime": rfc3339_ns(st.st_mtime_ns),
     }
     if stat.S_ISLNK(mode):
-        info["type"] = FILE_TYPE_SYMLINK
-        info["isSymlink"] = True
+        target = _resolve_link(path)
+        info["symlinkTarget"] = target
         try:
-            target = os.readlink(path)
-            info["symlinkTarget"] = os.path.normpath(os.path.join(os.path.dirname(path), target))
+            tst = os.stat(target)
         except OSError:
-            pass
-    elif stat.S_ISDIR(mode):
-        info["type"] = FILE_TYPE_DIRECTORY
+            info["type"] = FILE_TYPE_UNSPECIFIED
+            info["mode"] = 0
+        else:
+            info["type"] = _file_type(tst.st_mode)
+            info["mode"] = stat.S_IMODE(tst.st_mode) & 0o777
     else:
-        info["type"] = FILE_TYPE_FILE
+        info["type"] = _file_type(mode)
     meta = read_metadata(path)  # a symlink shows its target's, as E2B's envd does
     if meta:
         info["metadata"] = meta
     return info
+
+
+def _file_type(mode: int) -> str:
+    """Go's classification: regular file, directory, else unspecified (devices, FIFOs, sockets)."""
+    if stat.S_ISREG(mode):
+        return FILE_TYPE_FILE
+    if stat.S_ISDIR(mode):
+        return FILE_TYPE_DIRECTORY
+    return FILE_TYPE_UNSPECIFIED
 
 
 def is_missing(exc: OSError) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import errno
 import hashlib
 import hmac
@@ -22,11 +23,17 @@ from email.utils import formatdate
 
 from aiohttp import hdrs, web
 
+from agentenv.envd.dirs import ensure_dirs
 from agentenv.envd.entry import XATTR_PREFIX, read_metadata
 from agentenv.envd.state import UNAUTHORIZED_MESSAGE, EnvdState, basic_auth_user, get_state
 from agentenv.envd.users import UnknownUser, User, lookup_user, resolve_path
 
 CHUNK = 1024 * 1024
+# Uploads: network pieces are gathered into batches of this size, each written with one writev on an
+# I/O thread while the next batch arrives. Downloads without gzip go out with sendfile(2).
+WRITE_BATCH = 4 * 1024 * 1024
+_IOV_MAX = 512
+_IO = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="envd-io")
 # gzip is negotiated by default by the SDK's HTTP clients; level 1 keeps it from being the bottleneck,
 # and a sample decides whether compressing is worth it at all (random/compressed data is sent as is).
 GZIP_LEVEL = 1
@@ -155,15 +162,15 @@ def _replace_metadata(fd: int, metadata: dict[str, str]) -> None:
             raise MetadataUnsupported(exc.errno, exc.strerror) from None
 
 
-def _open_upload(path: str, metadata: dict[str, str]) -> int:
+def _open_upload(path: str, metadata: dict[str, str], uid: int, gid: int) -> int:
     """Open `path` for an upload and give it `metadata`, before any byte of it changes.
 
     The metadata is stored first and the file truncated only after that, so an upload whose metadata
-    cannot be stored leaves an existing file as it was and creates no new one.
+    cannot be stored leaves an existing file as it was and creates no new one. The file is then given
+    to uid:gid as E2B's envd does (a new file always; an existing one where the user may chown it):
+    that attribute change is the CHMOD event E2B's watchers report between CREATE and WRITE.
+    A file created here is empty already: it is not truncated, so a watcher sees no extra WRITE.
     """
-    parent = os.path.dirname(path)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "is a directory")
     created = False
@@ -183,7 +190,9 @@ def _open_upload(path: str, metadata: dict[str, str]) -> int:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
     try:
         _replace_metadata(fd, metadata)
-        os.ftruncate(fd, 0)
+        _give(fd, uid, gid, created)
+        if not created:
+            os.ftruncate(fd, 0)
     except BaseException:
         os.close(fd)
         if created:
@@ -192,10 +201,70 @@ def _open_upload(path: str, metadata: dict[str, str]) -> int:
     return fd
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+def _give(fd: int, uid: int, gid: int, created: bool) -> None:
+    """fchown to the user: always possible for a file just created; an existing file of someone else
+    (writable for the user through its mode) or on a filesystem without owners keeps its owner."""
+    try:
+        os.fchown(fd, uid, gid)
+    except OSError:
+        if created:
+            raise
+
+
+def _writev_all(fd: int, pieces: list) -> None:
+    """Write every byte of `pieces` (bytes-like objects) to fd: writev, resumed after short writes."""
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    i = 0
+    while i < len(views):
+        n = os.writev(fd, views[i:i + _IOV_MAX])
+        if n == 0:
+            raise OSError(errno.EIO, "write made no progress")
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+
+
+class _BatchWriter:
+    """Writes an upload's pieces to fd in batches (one writev on an I/O thread per ~4 MiB) and gathers
+    the next batch from the network while the previous one is being written.
+
+    At most one batch is in flight; `settle()` waits for it (blocking, one batch at most) so the fd is
+    never closed under a running write, even when the request was cancelled.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._pending: list = []
+        self._size = 0
+        self._inflight: concurrent.futures.Future | None = None
+
+    async def add(self, piece) -> None:
+        self._pending.append(piece)
+        self._size += len(piece)
+        if self._size >= WRITE_BATCH or len(self._pending) >= _IOV_MAX:
+            await self._submit()
+
+    async def finish(self) -> None:
+        await self._submit()
+        await self._wait()
+
+    async def _submit(self) -> None:
+        await self._wait()
+        batch, self._pending, self._size = self._pending, [], 0
+        if batch:
+            self._inflight = _IO.submit(_writev_all, self._fd, batch)
+
+    async def _wait(self) -> None:
+        if self._inflight is not None:
+            await asyncio.wrap_future(self._inflight)
+            self._inflight = None
+
+    def settle(self) -> None:
+        if self._inflight is not None:
+            concurrent.futures.wait([self._inflight])
+            self._inflight = None
 
 
 def _unlink_quiet(path: str) -> None:
@@ -244,6 +313,57 @@ def _accepts_gzip(header: str) -> bool:
     return False
 
 
+async def _on_io(fn, *args):
+    """fn(*args) on an I/O thread. A cancelled caller still waits for it: it may use an fd that the
+    caller closes next."""
+    fut = _IO.submit(fn, *args)
+    try:
+        return await asyncio.wrap_future(fut)
+    finally:
+        if not fut.done():
+            concurrent.futures.wait([fut])
+
+
+def _read_compress(fd: int, compressor, n: int, offset: int) -> tuple[bytes, int]:
+    chunk = os.pread(fd, n, offset)
+    return compressor.compress(chunk), len(chunk)
+
+
+async def _send_gzip(resp: web.StreamResponse, fd: int, compressor, start: int, end: int) -> None:
+    offset = start
+    while offset <= end:
+        out, n = await _on_io(_read_compress, fd, compressor, min(WRITE_BATCH, end - offset + 1), offset)
+        if not n:
+            break
+        offset += n
+        if out:
+            await resp.write(out)
+    await resp.write(compressor.flush())
+
+
+async def _send_plain(request: web.Request, resp: web.StreamResponse, fd: int, offset: int, count: int) -> None:
+    """`count` bytes of fd from `offset`: sendfile(2) straight from the file to the socket (the headers
+    were sent by prepare), or pread + write where the transport cannot sendfile."""
+    if count <= 0:
+        return
+    transport = request.transport
+    if transport is None:
+        raise ConnectionResetError("connection lost")
+    with os.fdopen(fd, "rb", buffering=0, closefd=False) as fobj:
+        try:
+            await asyncio.get_running_loop().sendfile(transport, fobj, offset, count, fallback=False)
+            return
+        except (NotImplementedError, asyncio.SendfileNotAvailableError):
+            pass
+    end = offset + count
+    while offset < end:
+        chunk = await _on_io(os.pread, fd, min(WRITE_BATCH, end - offset), offset)
+        if not chunk:
+            break
+        offset += len(chunk)
+        await resp.write(chunk)
+
+
 async def get_files(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     try:
@@ -259,7 +379,6 @@ async def get_files(request: web.Request) -> web.StreamResponse:
             raise _os_fail(exc, path) from None
     except HTTPFail as fail:
         return fail.response()
-    loop = asyncio.get_running_loop()
     try:
         size = st.st_size
         try:
@@ -284,26 +403,18 @@ async def get_files(request: web.Request) -> web.StreamResponse:
         if byte_range:
             resp.headers[hdrs.CONTENT_RANGE] = f"bytes {start}-{end}/{size}"
             resp.content_length = end - start + 1
-        elif _accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")) and await loop.run_in_executor(
-            None, _worth_compressing, fd
-        ):
+        elif _accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")) and await _on_io(_worth_compressing, fd):
             compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
             resp.headers[hdrs.CONTENT_ENCODING] = "gzip"
         else:
             resp.content_length = size
         await resp.prepare(request)
-        offset = start
-        while offset <= end:
-            chunk = await loop.run_in_executor(None, os.pread, fd, min(CHUNK, end - offset + 1), offset)
-            if not chunk:
-                break
-            offset += len(chunk)
-            if compressor is not None:
-                chunk = await loop.run_in_executor(None, compressor.compress, chunk)
-            if chunk:
-                await resp.write(chunk)
-        if compressor is not None:
-            await resp.write(compressor.flush())
+        if request.method == hdrs.METH_HEAD:
+            pass  # headers only (the route also answers HEAD)
+        elif compressor is None:
+            await _send_plain(request, resp, fd, start, end - start + 1)
+        else:
+            await _send_gzip(resp, fd, compressor, start, end)
         await resp.write_eof()
         return resp
     finally:
@@ -348,9 +459,9 @@ class _Budget:
 async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Budget, meta: dict) -> dict:
     """Stream `chunks` (async iterator of bytes) into `path` with file metadata `meta` (which replaces
     the file's earlier metadata, none clearing it); remove the partial file on failure."""
-    loop = asyncio.get_running_loop()
     try:
-        fd = await state.executor.run(user, _open_upload, path, meta)
+        await ensure_dirs(state.executor, user, os.path.dirname(path))
+        fd = await state.executor.run(user, _open_upload, path, meta, user.uid, user.gid)
     except MetadataUnsupported:
         raise HTTPFail(400, f"file metadata cannot be stored at '{path}': its filesystem has no user "
                             "extended attributes (user.e2b.*); nothing was written") from None
@@ -359,17 +470,20 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
             raise HTTPFail(400, f"file metadata too large for the filesystem of '{path}'") from None
         raise _os_fail(exc, path) from None
     ok = False
+    writer = _BatchWriter(fd)
     try:
         async for chunk in chunks:
             if not chunk:
                 continue
             budget.take(len(chunk))
-            await loop.run_in_executor(None, _write_all, fd, chunk)
-        stored = await loop.run_in_executor(None, read_metadata, fd)
+            await writer.add(chunk)
+        await writer.finish()
+        stored = await _on_io(read_metadata, fd)
         ok = True
     except OSError as exc:
         raise _os_fail(exc, path) from None
     finally:
+        writer.settle()
         os.close(fd)
         if not ok:
             await state.executor.run(user, _unlink_quiet, path)
@@ -388,6 +502,16 @@ def _part_filename(part) -> str | None:
     msg = Message()
     msg[hdrs.CONTENT_DISPOSITION] = header
     return msg.get_filename()
+
+
+async def _body_pieces(request: web.Request):
+    """A raw request body as the pieces that arrived (no re-chunking copies)."""
+    content = request.content
+    while True:
+        piece = await content.readany()
+        if not piece:
+            return
+        yield piece
 
 
 async def _part_chunks(part):
@@ -446,7 +570,7 @@ async def post_files(request: web.Request) -> web.StreamResponse:
             if not query_path:
                 raise HTTPFail(400, "path is required for a non-multipart upload")
             path = _resolve(query_path, user)
-            results.append(await _receive(state, user, path, request.content.iter_chunked(CHUNK), budget, meta))
+            results.append(await _receive(state, user, path, _body_pieces(request), budget, meta))
     except HTTPFail as fail:
         return fail.response()
     return web.json_response(results)

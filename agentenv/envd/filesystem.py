@@ -18,6 +18,7 @@ from asyncinotify import Inotify, Mask
 
 from agentenv.envd import connect
 from agentenv.envd.connect import ConnectError, field as pfield
+from agentenv.envd.dirs import ensure_dirs
 from agentenv.envd.entry import entry_info, is_missing
 from agentenv.envd.process import keepalive_interval, pump
 from agentenv.envd.state import get_state, rpc_user
@@ -87,12 +88,12 @@ def _list_dir(path: str, depth: int) -> list[dict]:
     return out
 
 
-def _make_dir(path: str) -> dict:
+def _check_new_dir(path: str) -> None:
+    """MakeDir's precondition: nothing exists at `path` yet."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        os.makedirs(path)
-        return entry_info(path)
+        return
     if stat.S_ISDIR(st.st_mode):
         raise ConnectError("already_exists", f"directory '{path}' already exists")
     raise ConnectError("invalid_argument", f"path '{path}' already exists and is not a directory")
@@ -100,9 +101,6 @@ def _make_dir(path: str) -> dict:
 
 def _move(src: str, dst: str) -> dict:
     os.lstat(src)
-    parent = os.path.dirname(dst)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
     try:
         os.rename(src, dst)
     except OSError as exc:
@@ -146,16 +144,28 @@ async def rpc_list_dir(request: web.Request, msg: dict) -> dict:
     return {"entries": await _as_user(request, user, path, _list_dir, path, depth)}
 
 
+async def _ensure_dirs(request: web.Request, user: User, directory: str, path: str) -> None:
+    """Missing directories made for the user the way E2B's envd makes them (see envd/dirs.py)."""
+    try:
+        await ensure_dirs(get_state(request).executor, user, directory)
+    except OSError as exc:
+        raise os_error(exc, path) from None
+
+
 async def rpc_make_dir(request: web.Request, msg: dict) -> dict:
     user = rpc_user(request)
     path = _path_arg(msg, "path", user)
-    return {"entry": await _as_user(request, user, path, _make_dir, path)}
+    await _as_user(request, user, path, _check_new_dir, path)
+    await _ensure_dirs(request, user, path, path)
+    return {"entry": await _as_user(request, user, path, entry_info, path)}
 
 
 async def rpc_move(request: web.Request, msg: dict) -> dict:
     user = rpc_user(request)
     src = _path_arg(msg, "source", user)
     dst = _path_arg(msg, "destination", user)
+    await _as_user(request, user, src, os.lstat, src)
+    await _ensure_dirs(request, user, os.path.dirname(dst), dst)
     return {"entry": await _as_user(request, user, src, _move, src, dst)}
 
 

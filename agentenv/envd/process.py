@@ -413,6 +413,10 @@ async def pump(
                 raise ConnectError("deadline_exceeded", "the stream deadline was exceeded") from None
             yield {"keepalive": {}}
             continue
+        if deadline is not None and loop.time() >= deadline:
+            # Seen only after the deadline (a busy loop): the deadline wins, as in connect-go,
+            # never an end event of a process our own timeout killed.
+            raise ConnectError("deadline_exceeded", "the stream deadline was exceeded")
         yield event
         if stop_on is not None and stop_on in event:
             return
@@ -423,10 +427,15 @@ async def rpc_start(request: web.Request, msg: dict) -> AsyncIterator[dict]:
     manager = request.app[MANAGER_KEY]
     user = rpc_user(request)
     lifetime = connect.parse_timeout_ms(request.headers.get("Connect-Timeout-Ms"))
+    # Connect-Timeout-Ms bounds both the stream and the process (as E2B's envd does). The stream's
+    # deadline counts from the request, the process's kill timer from its spawn, so the stream
+    # always ends first with deadline_exceeded (the SDKs' TimeoutException), never with the end
+    # event of the process our timer killed (exit -1, "signal: killed").
+    deadline = asyncio.get_running_loop().time() + lifetime if lifetime else None
     mp, queue = await manager.start(state, user, msg, lifetime)
     try:
         yield {"event": {"start": {"pid": mp.pid}}}
-        async for event in pump(queue, keepalive_interval(request), None, "end"):
+        async for event in pump(queue, keepalive_interval(request), deadline, "end"):
             yield {"event": event}
     finally:
         mp.unsubscribe(queue)

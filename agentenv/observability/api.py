@@ -118,7 +118,7 @@ class ObservabilityHandlers:
         if level is not None:
             entries = [e for e in entries if LEVELS[e.level] >= LEVELS[level]]
         if search:
-            entries = [e for e in entries if search.lower() in e.message.lower()]
+            entries = [e for e in entries if search in e.message]  # case-sensitive, as E2B's
         if direction == "forward":
             if cursor is not None:
                 entries = [e for e in entries if e.ts.timestamp() * 1000 >= cursor]

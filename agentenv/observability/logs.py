@@ -13,6 +13,7 @@ kept per sandbox in bounded buffers, and still readable for a while after the sa
 from __future__ import annotations
 
 import contextvars
+import json
 import logging
 import re
 import sys
@@ -65,8 +66,12 @@ class LogEntry:
                 "level": self.level, "message": self.message, "fields": self.fields}
 
     def v1(self) -> dict:
+        """E2B's v1 log: `line` is one JSON object (as E2B's structured sandbox logs are), which is what
+        `e2b sandbox logs` parses: level, logger (the source), message and the entry's fields."""
+        line = {**self.fields, "level": self.level, "logger": self.fields.get("source", "agentenv"),
+                "message": self.message}
         return {"timestamp": self.ts.astimezone(timezone.utc).isoformat().replace("+00:00", "Z"),
-                "line": self.message}
+                "line": json.dumps(line, separators=(",", ":"))}
 
 
 class SandboxLogs:

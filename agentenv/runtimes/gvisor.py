@@ -18,6 +18,11 @@ epoll servers, `checkpoint --leave-running`, `--net-disconnect-ok`. What this mo
 - Root must be writable in the spec (readonly=true gives EROFS); the host overlayfs rootfs plus
   `--overlay2=none` keeps checkpoints small and restorable.
 - Container ids are matched by prefix by runsc: agentenv's ids have a fixed length.
+- /tmp is a directory of the sandbox's disk, as in E2B: runsc mounts a tmpfs of its own over an
+  *empty* /tmp of the root when the spec mounts nothing there (runsc/boot/vfs.go `mountTmp`, no flag
+  turns it off), which kept /tmp out of layers, templates and filesystem snapshots. An explicit bind
+  mount of the rootfs' own /tmp would be a second mount (rename(2) between /tmp and the rest of the
+  disk failing with EXDEV), so instead a boot never sees /tmp empty (`keep_tmp_on_disk`).
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ _CAPS = [
     "CAP_SYS_RESOURCE", "CAP_NET_ADMIN",
 ]
 _DEFAULT_PATH = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# What keeps /tmp non-empty at a boot: the X11 socket directory systemd-tmpfiles creates in /tmp on
+# every booted Debian/Ubuntu (E2B's sandboxes have it), 1777 root:root as X servers require.
+TMP_KEEPER = ".X11-unix"
 
 
 def cgroup_path(sandbox_id: str) -> str:
@@ -126,6 +134,32 @@ def build_oci_spec(spec: SandboxSpec) -> dict[str, Any]:
         oci["mounts"].append({"destination": "/proc/sys/kernel/random/boot_id", "type": "bind",
                               "source": str(spec.boot_id_file), "options": ["rbind", "ro"]})
     return oci
+
+
+def keep_tmp_on_disk(rootfs: Path) -> None:
+    """Make sure runsc boots with the rootfs' /tmp as /tmp, not a tmpfs of its own over it.
+
+    runsc mounts its tmpfs only over an empty (or missing) /tmp: a missing one is created (1777
+    root:root, like E2B's), an empty one gets `TMP_KEEPER`. Only a boot needs this; a restore gets
+    its mount table from the memory image. A /tmp symlink is followed one level inside the rootfs.
+    """
+    tmp = rootfs / "tmp"
+    if tmp.is_symlink():
+        target = os.readlink(tmp)
+        tmp = rootfs / target.lstrip("/") if target.startswith("/") else rootfs / target
+        if tmp.is_symlink() or not tmp.resolve().is_relative_to(rootfs.resolve()):
+            return
+    if not tmp.exists():
+        tmp.mkdir(parents=True)
+        os.chmod(tmp, 0o1777)
+    if not tmp.is_dir():
+        return
+    with os.scandir(tmp) as entries:
+        if next(entries, None) is not None:
+            return
+    keeper = tmp / TMP_KEEPER
+    keeper.mkdir()
+    os.chmod(keeper, 0o1777)
 
 
 def raise_memory_limit(spec: SandboxSpec) -> None:
@@ -260,6 +294,10 @@ class GVisorRuntime:
     async def start(self, spec: SandboxSpec) -> None:
         await self._global_flags()  # probes the runsc release the bundle must be written for
         self._write_bundle(spec)
+        try:
+            await asyncio.to_thread(keep_tmp_on_disk, spec.rootfs)
+        except OSError as e:  # the boot still works, with gVisor's in-memory /tmp
+            log.warning("sandbox %s: cannot keep /tmp on its disk: %s", spec.sandbox_id, e)
         try:
             await self._runsc("run", "--detach", f"--bundle={spec.bundle_dir}", spec.sandbox_id,
                               timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
@@ -456,9 +494,17 @@ def _disk_full(image_dir: Path) -> str | None:
     return f"no space left on device for the memory image ({image_dir}: {free // 1024} KiB free)"
 
 
+_DEAD_DENTRY = re.compile(r'gofer\.dentry\(\\?"([^"\\]*)\\?"\)\.beforeSave: deleted and invalidated dentries')
+
+
 def _checkpoint_error(log_text: str) -> str:
     """The line of runsc's log that says why a checkpoint failed (its panics are long)."""
     text = log_text[log_text.rfind("--- runsc checkpoint"):] if "--- runsc checkpoint" in log_text else log_text
+    dead = _DEAD_DENTRY.search(text)
+    if dead:
+        return (f"a process in the sandbox holds the deleted file /{dead.group(1)} open, and runsc 20240729 cannot "
+                "save deleted files of the sandbox's disk (gVisor added that in 2025, google/gvisor#11425); "
+                "close it first, or keep such files in /dev/shm")
     for pat in (r"checkpoint failed: .*", r"(?i)no space left on device.*", r"(?i)error[^\n]*"):
         m = re.search(pat, text)
         if m:

@@ -11,6 +11,8 @@ Why each part looks the way it does:
 - Initramfs: busybox-static (a Debian package) plus /init below: load modules, mount the root and
   tools drives by label, configure eth0 with the guest address every slot uses, print readiness
   markers on the console and `switch_root` into envd, which becomes PID 1 (it reaps orphans).
+- /tmp is the root drive's own directory (1777 root:root, created if an image lacks it), as in E2B:
+  files there are part of the sandbox's disk, its layers, snapshots and templates.
 - Per-sandbox settings (envd's environment, hostname) come on the kernel command line as one
   base64 parameter `agentenv.cfg=`: both VMMs have a command line, only QEMU has fw_cfg.
 - Drives: the sandbox root is an ext4 image made with `mkfs.ext4 -d` from the same base image
@@ -104,7 +106,8 @@ while ! root=$(findfs LABEL=@ROOT_LABEL@ 2>/dev/null) || ! tools=$(findfs LABEL=
   i=$((i+1)); [ $i -gt 500 ] && fail "drives not found: $(ls /dev)"; sleep 0.02
 done
 mount -t ext4 -o rw,noatime "$root" /newroot || fail "mount root $root"
-mkdir -p /newroot@TOOLS@ /newroot/proc /newroot/sys /newroot/dev /newroot/tmp
+mkdir -p /newroot@TOOLS@ /newroot/proc /newroot/sys /newroot/dev
+[ -e /newroot/tmp ] || [ -L /newroot/tmp ] || { mkdir /newroot/tmp && chmod 1777 /newroot/tmp; }
 mount -t ext4 -o ro,noatime "$tools" /newroot@TOOLS@ || fail "mount tools $tools"
 ip link set lo up
 ip link set eth0 address @MAC@ 2>/dev/null
@@ -117,7 +120,6 @@ mount --move /dev /newroot/dev
 mkdir -p /newroot/dev/pts /newroot/dev/shm
 mount -t devpts -o nosuid,noexec,newinstance,ptmxmode=0666,mode=0620 devpts /newroot/dev/pts
 mount -t tmpfs -o nosuid,nodev,mode=1777 shm /newroot/dev/shm
-mount -t tmpfs -o nosuid,nodev,mode=1777 tmpfs /newroot/tmp
 echo "@READY@"
 [ -n "$AE_ARGV" ] || fail "no envd argv"
 eval "exec switch_root /newroot $AE_ARGV"
@@ -141,6 +143,13 @@ def init_script() -> str:
             .replace("@TOOLS@", constants.TOOLS_MOUNT).replace("@MAC@", GUEST_MAC)
             .replace("@GUEST_IP@", constants.GUEST_IP).replace("@PREFIX@", str(constants.GUEST_PREFIXLEN))
             .replace("@GATEWAY@", constants.GUEST_GATEWAY_IP).replace("@READY@", READY_MARKER))
+
+
+def init_digest() -> str:
+    """Identity of the initramfs' /init: a kernel built with another one gets a refreshed initramfs."""
+    import hashlib
+
+    return hashlib.sha256(init_script().encode()).hexdigest()
 
 
 def guest_config_param(env: dict[str, str], argv: list[str], hostname: str) -> str:
@@ -282,6 +291,35 @@ def write_cpio(root: Path, out: Path) -> None:
         entry("TRAILER!!!", 0, b"")
 
 
+def replace_cpio_file(src: Path, dst: Path, name: str, data: bytes) -> None:
+    """Copy the newc cpio archive `src` to `dst` with the content of member `name` replaced."""
+    blob = src.read_bytes()
+    pos, found = 0, False
+    with open(dst, "wb") as f:
+        while True:
+            hdr = blob[pos:pos + 110]
+            if len(hdr) < 110 or hdr[:6] != b"070701":
+                raise ValueError(f"{src}: not a newc cpio archive at offset {pos}")
+            fields = [int(hdr[6 + 8 * i:14 + 8 * i], 16) for i in range(13)]
+            size, namesize = fields[6], fields[11]
+            name_end = pos + 110 + namesize
+            member = blob[pos + 110:name_end - 1].decode()
+            data_start = name_end + (-name_end % 4)
+            data_end = data_start + size
+            body = blob[data_start:data_end]
+            if member == name:
+                found, body = True, data
+                fields[6], fields[12] = len(data), 0
+                hdr = hdr[:6] + "".join(f"{v:08x}" for v in fields).encode()
+            f.write(hdr + blob[pos + 110:data_start] + body + b"\x00" * (-len(body) % 4))
+            pos = data_end + (-data_end % 4)
+            if member == "TRAILER!!!":
+                break
+    if not found:
+        dst.unlink(missing_ok=True)
+        raise ValueError(f"{src} has no member {name!r}")
+
+
 def root_key(lowers: list[Path]) -> str:
     """Identity of a read-only root drive: the base image build and the layers above it."""
     import hashlib
@@ -310,11 +348,14 @@ class GuestImages:
 
     # --- kernel + initramfs
 
-    def _find_kernel(self) -> Kernel | None:
+    def _find_kernel(self, *, current_init: bool = True) -> Kernel | None:
+        """The newest kernel built here; with `current_init`, only if its initramfs has today's /init."""
         for d in sorted(self.root.glob("kernel-*"), reverse=True):
             if (d / "kernel.json").is_file():
                 meta = json.loads((d / "kernel.json").read_text())
-                return Kernel(meta["version"], d / "vmlinuz", d / "vmlinux", d / "initrd.img")
+                if current_init and meta.get("init_sha256") != init_digest():
+                    return None
+                return Kernel(meta["version"], d / "vmlinuz", d / "vmlinux", d / meta.get("initrd", "initrd.img"))
         return None
 
     async def ensure_kernel(self, progress=None) -> Kernel:
@@ -328,9 +369,34 @@ class GuestImages:
         async with file_lock(self.root / ".kernel.lock"):
             found = self._find_kernel()
             if found is None:
+                older = self._find_kernel(current_init=False)
+                found = await asyncio.to_thread(self._refresh_init, older) if older else None
+            if found is None:
                 found = await self._build_kernel(progress)
         self._kernel = found
         return found
+
+    def _refresh_init(self, k: Kernel) -> Kernel | None:
+        """Give a kernel built by an older agentenv today's /init: a new initramfs file next to the old
+        one (memory images of paused VMs keep naming theirs), then kernel.json, both replaced whole
+        (the files may be hard links shared with another data dir)."""
+        meta_path = k.dir / "kernel.json"
+        meta = json.loads(meta_path.read_text())
+        digest = init_digest()
+        target = k.dir / f"initrd-{digest[:12]}.img"
+        try:
+            tmp = target.with_name(target.name + ".tmp")
+            replace_cpio_file(k.initrd, tmp, "init", init_script().encode())
+            os.replace(tmp, target)
+        except (OSError, ValueError) as e:
+            log.warning("cannot refresh the guest initramfs %s (%s): rebuilding the guest kernel", k.initrd, e)
+            return None
+        meta.update(initrd=target.name, init_sha256=digest)
+        tmp_meta = meta_path.with_name("kernel.json.tmp")
+        tmp_meta.write_text(json.dumps(meta, indent=1))
+        os.replace(tmp_meta, meta_path)
+        log.info("guest initramfs %s: /init updated", target)
+        return Kernel(k.version, k.vmlinuz, k.vmlinux, target)
 
     async def _build_kernel(self, progress) -> Kernel:
         def step(msg: str, frac: float | None) -> None:
@@ -373,7 +439,7 @@ class GuestImages:
             os.chmod(ird / "init", 0o755)
             await asyncio.to_thread(write_cpio, ird, tmp / "initrd.img")
             meta = {"version": kver, "package": pkg, "package_version": version,
-                    "modules": [ko.stem for ko in mods], "busybox": bdeb.name,
+                    "modules": [ko.stem for ko in mods], "busybox": bdeb.name, "init_sha256": init_digest(),
                     "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "build_seconds": round(time.monotonic() - t0, 1)}
             (tmp / "kernel.json").write_text(json.dumps(meta, indent=1))

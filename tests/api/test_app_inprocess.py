@@ -18,6 +18,7 @@ from aiohttp import web
 
 from agentenv.api import ApiKeyAuth, setup_api
 from agentenv.api.app import decode_page_token, parse_metadata_filter
+from agentenv.api.sandbox_list import decode_token
 from agentenv.config import Settings
 from agentenv.constants import CLIENT_ID, ENVD_VERSION
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, NotFound, Unavailable, sandbox_not_found
@@ -699,10 +700,16 @@ async def test_list_filters_state_template_started_after(env):
     assert ids(await env.client.get("/v2/sandboxes", params={"template": "base"})) == [s2["sandboxID"], s1["sandboxID"]]
     assert ids(await env.client.get("/v2/sandboxes", params={"template": "other"})) == []
     started1 = datetime.fromisoformat(env.orch.sandboxes[s1["sandboxID"]].started_at.isoformat())
+    # inclusive: "started at or after" (E2B), a sandbox's own startedAt selects it
     r = await env.client.get("/v2/sandboxes", params={"startedAfter": started1.isoformat()})  # +00:00 offset
+    assert ids(r) == [s2["sandboxID"], s1["sandboxID"]]
+    just_after = (started1 + timedelta(microseconds=1)).isoformat()
+    r = await env.client.get("/v2/sandboxes?startedAfter=" + just_after)  # raw '+'
     assert ids(r) == [s2["sandboxID"]]
-    r = await env.client.get("/v2/sandboxes?startedAfter=" + started1.isoformat())  # raw '+'
-    assert ids(r) == [s2["sandboxID"]]
+    # nanoseconds (Go clients) are cut to microseconds, so the bound stays inclusive
+    nanos = started1.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f") + "999Z"
+    assert ids(await env.client.get("/v2/sandboxes", params={"startedAfter": nanos})) == [
+        s2["sandboxID"], s1["sandboxID"]]
     assert ids(await env.client.get("/v2/sandboxes", params={"order": "asc"})) == [s1["sandboxID"], s2["sandboxID"]]
 
 
@@ -733,7 +740,7 @@ async def test_paging_walks_all_without_duplicates(env, order):
         token = r.headers.get("X-Next-Token")
         if not token:
             break
-        decode_page_token(token)  # opaque but well-formed
+        decode_token(token, ascending=order == "asc")  # E2B's keyset cursor for this order
     assert pages == 3
     assert seen == (created[::-1] if order == "desc" else created)
 
@@ -850,3 +857,40 @@ async def test_api_keys_create_list_revoke_scoped_to_team(env):
     assert (await env.client.get("/v2/sandboxes", key=created["key"])).status_code == 401
     r = await env.client.post("/api-keys", json={"name": ""})
     assert r.status_code == 400
+
+
+async def test_list_v2_total_running_header_template_tags_and_token_order(env):
+    s1 = (await create(env))["sandboxID"]
+    await create(env)
+    await create(env, metadata={"k": "v"})
+    await env.client.post(f"/sandboxes/{s1}/pause")
+    r = await env.client.get("/v2/sandboxes", params={"limit": "1"})
+    assert r.headers["X-Total-Running"] == "2" and len(r.json()) == 1  # before paging, running only
+    r = await env.client.get("/v2/sandboxes", params={"metadata": sdk_metadata_param({"k": "v"})})
+    assert r.headers["X-Total-Running"] == "1"
+    r = await env.client.get("/v2/sandboxes", params={"state": "paused"})
+    assert [s["sandboxID"] for s in r.json()] == [s1] and "X-Total-Running" not in r.headers
+    r = await env.client.get("/v2/sandboxes", params={"template": "base:default"}, validate=False)
+    assert r.status_code == 400 and "tag" in r.json()["message"]
+    r = await env.client.get("/v2/sandboxes", params={"limit": "1", "order": "asc"})
+    token = r.headers["X-Next-Token"]
+    r = await env.client.get("/v2/sandboxes", params={"limit": "1", "nextToken": token}, validate=False)
+    assert r.status_code == 400 and "order" in r.json()["message"]
+
+
+async def test_list_v2_ties_on_started_at_ordered_as_e2b(env):
+    made = [(await create(env))["sandboxID"] for _ in range(4)]
+    same = env.orch.sandboxes[made[0]].started_at
+    for sid in made:
+        env.orch.sandboxes[sid] = replace(env.orch.sandboxes[sid], started_at=same)
+    for order, expected in (("desc", sorted(made)), ("asc", sorted(made, reverse=True))):
+        seen: list[str] = []
+        token = None
+        while True:
+            params = {"limit": "1", "order": order, **({"nextToken": token} if token else {})}
+            r = await env.client.get("/v2/sandboxes", params=params)
+            seen += [s["sandboxID"] for s in r.json()]
+            token = r.headers.get("X-Next-Token")
+            if not token:
+                break
+        assert seen == expected, order

@@ -160,8 +160,10 @@ def test_list_order_state_template_started_after(call, sandboxes):
     assert call.ids(metadata=md, template=TEMPLATE) == ours[::-1]
     assert call.ids(metadata=md, template="no-such-template") == []
     first = call("GET", f"/sandboxes/{ours[0]}").json()
-    started = ts(first["startedAt"]).astimezone(timezone.utc).isoformat()  # '+00:00' as the SDKs send it
-    assert call.ids(metadata=md, startedAfter=started) == [ours[1]]
+    started = ts(first["startedAt"]).astimezone(timezone.utc)
+    # "started at or after" (E2B): its own startedAt selects it, a microsecond later does not
+    assert call.ids(metadata=md, startedAfter=started.isoformat()) == ours[::-1]  # '+00:00' as the SDKs send it
+    assert call.ids(metadata=md, startedAfter=(started + timedelta(microseconds=1)).isoformat()) == [ours[1]]
 
 
 def test_list_paging(call, sandboxes):

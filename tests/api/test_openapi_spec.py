@@ -56,7 +56,27 @@ EXPECTED = {
     ("post", "/templates/tags"): {"201"},
     ("delete", "/templates/tags"): {"204"},
     ("get", "/templates/{templateID}/tags"): {"200"},
+    ("patch", "/templates/{templateID}"): {"200"},
+    ("patch", "/v2/templates/{templateID}"): {"200"},
 }
+# E2B routes beyond the core (agentenv/api/compat.py): volumes and secrets exist only as honest
+# answers (empty lists, 404, 501 on create), so some declare no success status.
+EXPECTED.update({
+    ("get", "/v2/templates"): {"200"},
+    ("get", "/default-templates"): {"200"},
+    ("get", "/templates/{templateID}/builds/{buildID}/logs"): {"200"},
+    ("get", "/templates/{templateID}/tags/count"): {"200"},
+    ("get", "/templates/{templateID}/tags/exists"): {"200"},
+    ("get", "/volumes"): {"200"},
+    ("post", "/volumes"): set(),
+    ("get", "/volumes/{volumeID}"): set(),
+    ("delete", "/volumes/{volumeID}"): set(),
+    ("get", "/secrets"): {"200"},
+    ("post", "/secrets"): set(),
+    ("get", "/secrets/{secretID}"): set(),
+    ("post", "/secrets/{secretID}"): set(),
+    ("delete", "/secrets/{secretID}"): set(),
+})
 PUBLIC = {("get", "/health"), ("get", "/openapi.yaml"), ("put", "/template-files/{hash}")}
 METHODS = {"get", "post", "put", "delete", "patch"}
 

@@ -39,16 +39,34 @@ def test_a_request_without_runtime_and_a_node_that_reports_none_match_anything()
     assert p.place([node("c", runtimes=["firecracker"])], Request())[0].node_id == "c"
 
 
-def test_capacity_counts_reservations_in_flight_until_released():
+def test_capacity_counts_reservations_until_a_heartbeat_shows_the_sandbox():
     p = placement()
-    n = node("a", max_sandboxes=3, sandboxes=1)
+    n = node("a", max_sandboxes=3, sandboxes=1, heartbeat_at=utcnow() - timedelta(seconds=1))
     _, r1 = p.place([n], Request())
-    _, r2 = p.place([n], Request())
-    with pytest.raises(Unavailable, match="at capacity"):
-        p.place([n], Request())
-    p.release(r1)
     p.place([n], Request())
-    p.release(r2)
+    with pytest.raises(Unavailable, match=r"at capacity \(3/3"):
+        p.place([n], Request())
+    p.release(r1)  # started, but the node's last heartbeat predates it: still counted
+    with pytest.raises(Unavailable, match=r"at capacity \(3/3"):
+        p.place([n], Request())
+    # the next heartbeat shows the started sandbox: it is counted once, not twice
+    with pytest.raises(Unavailable, match=r"at capacity \(3/3"):
+        p.place([node("a", max_sandboxes=3, sandboxes=2)], Request())
+    p.place([node("a", max_sandboxes=4, sandboxes=2)], Request())
+
+
+def test_a_finished_start_is_no_longer_in_flight_but_its_load_counts_until_the_next_heartbeat():
+    p = Placement(dead_after_s=10, max_starting=1)
+    old = utcnow() - timedelta(seconds=1)
+    a, b = node("a", sandboxes=0, heartbeat_at=old), node("b", sandboxes=0, heartbeat_at=old)
+    first, r1 = p.place([a, b], Request())
+    other = "b" if first.node_id == "a" else "a"
+    with pytest.raises(Unavailable, match="busy starting 1"):
+        p.place([first], Request())
+    p.release(r1)
+    # the start is over (no longer busy), and the node that took it is the fuller one until its
+    # heartbeat says otherwise: the next sandbox goes to the other node
+    assert p.place([a, b], Request())[0].node_id == other
 
 
 def test_draining_dead_and_silent_nodes_are_skipped_and_the_emptier_node_wins():

@@ -151,12 +151,20 @@ def test_keepalive_events(envd):
     assert "end" in events[-1]
 
 
-def test_connect_timeout_is_process_lifetime(envd):
-    t0 = time.monotonic()
-    msgs = start(envd, "sleep 30", **{"Connect-Timeout-Ms": "700.0"})
-    assert time.monotonic() - t0 < 5
-    end = msgs[-2][1]["event"]["end"]
-    assert end == {"exitCode": -1, "exited": False, "status": "signal: killed", "error": "signal: killed"}
+def test_connect_timeout_bounds_stream_and_process(envd):
+    """As E2B's envd: the stream's deadline (from the request) ends it with deadline_exceeded, never
+    with the end event of the process, which the same timeout (from its spawn) kills right after."""
+    for _ in range(5):
+        t0 = time.monotonic()
+        msgs = start(envd, "sleep 30.7", **{"Connect-Timeout-Ms": "700.0"})
+        assert time.monotonic() - t0 < 5
+        assert not any("end" in m.get("event", {}) for _f, m, _t in msgs), msgs
+        assert msgs[-1][0] == 2 and msgs[-1][1]["error"]["code"] == "deadline_exceeded", msgs
+    deadline = time.monotonic() + 5
+    while any("sleep 30.7" in " ".join(p["config"].get("args", []))
+              for p in unary(envd, "process.Process/List", {}).json().get("processes", [])):
+        assert time.monotonic() < deadline, "the timed-out processes were not killed"
+        time.sleep(0.1)
 
 
 def test_sigterm_and_client_stream_input(envd):

@@ -9,6 +9,7 @@ Also: the lineage endpoint shows the four children under their parent.
 
 from __future__ import annotations
 
+import json
 import secrets
 
 import pytest
@@ -161,7 +162,9 @@ def test_sandbox_logs_v1_and_v2(api, scenario):
     assert found and all("paused" in e["message"].lower() for e in found)
     v1 = api.json(f"/sandboxes/{src}/logs")
     assert len(v1["logs"]) == len(v1["logEntries"]) == len(v2["logs"])
-    assert [x["line"] for x in v1["logs"]] == [e["message"] for e in v2["logs"]]
+    # v1 lines are JSON objects (what `e2b sandbox logs` parses) carrying the v2 entry's level and message
+    lines = [json.loads(x["line"]) for x in v1["logs"]]
+    assert [(x["level"], x["message"]) for x in lines] == [(e["level"], e["message"]) for e in v2["logs"]]
     # start (ms) filters
     last_ms = int(__import__("datetime").datetime.fromisoformat(v2["logs"][-1]["timestamp"].replace("Z", "+00:00"))
                   .timestamp() * 1000)
