@@ -24,7 +24,7 @@ RUN apt-get update -q \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/agentenv
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py constraints.txt README.md LICENSE ./
 COPY agentenv ./agentenv
 COPY scripts ./scripts
 RUN bash scripts/setup.sh \

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from agentenv import __version__, cli_sandbox
 from agentenv.config import Settings
+from agentenv.hostsetup import setup_command
 from agentenv.mcp_server import mcp_command
 
 console = Console(stderr=True)
@@ -785,6 +786,7 @@ def snapshot_delete(snapshot_ids, api_url, api_key) -> None:
 cli_sandbox.register(sandbox, templates)
 main.add_command(templates, "template")  # `agentenv template build`, as E2B's CLI spells it
 main.add_command(mcp_command)
+main.add_command(setup_command)  # host packages (agentenv/hostsetup/host-packages.sh)
 
 
 # ---------------------------------------------------------------- gc

@@ -26,6 +26,7 @@ EXIT_AGENTENV_ERROR = 125  # exec/shell: agentenv could not run the command (doc
 EXIT_INTERRUPTED = 130
 EXIT_TIMEOUT = 124  # exec --timeout elapsed (coreutils timeout's convention)
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # our stdout was closed: the command was ended, as a shell's SIGPIPE
+EXIT_TERMINATED = 128 + signal.SIGTERM  # SIGTERM/SIGHUP: the command was ended, the terminal restored
 
 
 def echo_err(msg: str) -> None:
@@ -46,9 +47,27 @@ def run(fn: Callable[[ApiClient], Awaitable[T]], api_url: str | None, api_key: s
         sys.exit(error_code)
     except KeyboardInterrupt:
         sys.exit(EXIT_INTERRUPTED)
+    except asyncio.CancelledError:  # SIGTERM / SIGHUP (see ending_on)
+        sys.exit(EXIT_TERMINATED)
     except BrokenPipeError:  # e.g. `files get ID f - | head`
         quiet_stdout()
         sys.exit(EXIT_BROKEN_PIPE)
+
+
+@contextlib.contextmanager
+def ending_on(*signals: signal.Signals) -> Iterator[None]:
+    """These signals cancel the running task instead of killing the process, so its cleanup runs
+    (the remote command is killed, the terminal restored); `run` then exits EXIT_TERMINATED."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    for sig in signals:
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -114,7 +133,9 @@ async def exec_command(api: ApiClient, sandbox_id: str, command: str, *, user: s
                        envs: dict[str, str], stdin: bool, timeout: float | None) -> int:
     """`sandbox exec`: output to ours as it comes; the command's exit code (or EXIT_TIMEOUT/BROKEN_PIPE)."""
     try:
-        return await _exec(api, sandbox_id, command, user=user, cwd=cwd, envs=envs, stdin=stdin, timeout=timeout)
+        with ending_on(signal.SIGTERM, signal.SIGHUP):
+            return await _exec(api, sandbox_id, command, user=user, cwd=cwd, envs=envs, stdin=stdin,
+                               timeout=timeout)
     except EnvdError as e:
         if e.code != "deadline_exceeded":
             raise
@@ -159,7 +180,8 @@ def raw_terminal(fd: int) -> Iterator[None]:
         tty.setraw(fd)
         yield
     finally:
-        termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        with contextlib.suppress(termios.error, OSError):  # a terminal that went away (SIGHUP)
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
 def terminal_size(fd: int) -> tuple[int, int]:
@@ -198,12 +220,16 @@ async def shell_session(api: ApiClient, sandbox_id: str, *, user: str | None, cw
     cols, rows = terminal_size(fd_in)
     term = {"TERM": os.environ.get("TERM") or "xterm-256color", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **envs}
     async with envd.start(shell, ["-i", "-l"], envs=term, cwd=cwd, pty=(cols, rows)) as proc:
-        with raw_terminal(fd_in):
+        with ending_on(signal.SIGTERM, signal.SIGHUP), raw_terminal(fd_in):
             tasks = [asyncio.create_task(forward_keys(envd, proc.pid, fd_in)),
                      asyncio.create_task(follow_resizes(envd, proc.pid, fd_in))]
             try:
                 async for _, data in proc:
                     write_all(fd_out, data)
+            except asyncio.CancelledError:  # SIGTERM/SIGHUP: no shell left waiting on a PTY nobody reads
+                with contextlib.suppress(ApiError, EnvdError):
+                    await asyncio.shield(envd.kill(proc.pid))
+                raise
             finally:
                 for t in tasks:
                     t.cancel()

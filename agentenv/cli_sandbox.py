@@ -7,7 +7,8 @@ the commands do is in cli_ops.py, imported when one runs.
 Exit codes: 0 success; 1 an error the server or sandbox reported (or a failed build); 2 usage;
 `exec`/`shell` pass the command's own exit code through (128 + N when signal N ended it) and use
 124 when `exec --timeout` killed it, 125 when agentenv itself could not run it (server, sandbox or
-envd error), 141 when our stdout was closed (the command is killed); 130 after Ctrl-C.
+envd error), 141 when our stdout was closed (the command is killed); 130 after Ctrl-C, 143 after
+SIGTERM/SIGHUP (the remote command is killed and the terminal restored first).
 """
 
 from __future__ import annotations

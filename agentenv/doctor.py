@@ -169,7 +169,6 @@ def run_checks(settings: Settings) -> list[Check]:
         check_python(), check_root(), check_runsc(settings),
         check_tool("debootstrap", "debootstrap", "builds the base image"),
         check_tool("nft", "nftables", "sandbox NAT and egress rules"),
-        check_tool("iptables", "iptables", "sandbox NAT"),
         check_netns(), check_cgroups(), check_overlay(), check_kvm(), *check_runtimes(settings),
         check_disk(settings),
         Check("data dir", "info", str(settings.data_dir)),

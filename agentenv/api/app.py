@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from agentenv.api import sandbox_list, schemas
 from agentenv.api.auth import ApiKeyAuth
 from agentenv.api.sandbox_list import parse_metadata_filter
-from agentenv.api.compat import (IdempotentCreates, compat_routes, refuse_memoryless_resume,
+from agentenv.api.compat import (IdempotentCreates, compat_routes, template_service, refuse_memoryless_resume,
                                  refuse_unsupported_create)
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
@@ -199,6 +199,10 @@ class _Handlers:
         self.settings = ctx.settings
         self.creates = IdempotentCreates()
 
+    @property
+    def templates(self) -> Any:
+        return template_service(self.orch)
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -208,7 +212,7 @@ class _Handlers:
     async def list_templates(self, request: web.Request) -> web.Response:
         if not hasattr(self.orch, "templates"):
             return web.json_response([schemas.template_json(t) for t in await self.orch.list_templates()])
-        items = await self.orch.templates.list_templates(request[_TEAM])
+        items = await self.templates.list_templates(request[_TEAM])
         return web.json_response([{k: v for k, v in schemas.template_with_builds_json(t, b).items() if k != "builds"}
                                   for t, b in items])
 
@@ -219,19 +223,19 @@ class _Handlers:
         name = body.name or body.alias
         if not name:
             raise BadRequest("name is required")
-        tmpl, build, tags = await self.orch.templates.request_build(
+        tmpl, build, tags = await self.templates.request_build(
             team_id=request[_TEAM], name=name, tags=body.tags, cpu_count=body.cpu_count, memory_mb=body.memory_mb)
         return web.json_response({"templateID": tmpl.template_id, "buildID": build.build_id, "public": tmpl.public,
                                   "names": list(tmpl.aliases), "tags": tags, "aliases": list(tmpl.aliases)},
                                  status=202)
 
     def _files_signature(self, team: str, files_hash: str, expires: int) -> str:
-        return self.orch.templates.sign(f"{team}:{files_hash}:{expires}")
+        return self.templates.sign(f"{team}:{files_hash}:{expires}")
 
     async def template_files(self, request: web.Request) -> web.Response:
         team = request[_TEAM]
         files_hash = request.match_info["hash"]
-        if await self.orch.templates.files_present(request.match_info["templateID"], files_hash, team):
+        if await self.templates.files_present(request.match_info["templateID"], files_hash, team):
             return web.json_response({"present": True}, status=201)
         expires = int(time.time()) + 3600
         query = urlencode({"team": team, "expires": expires,
@@ -250,12 +254,12 @@ class _Handlers:
         if expires < time.time() or not hmac.compare_digest(
                 sig.encode(), self._files_signature(team, files_hash, expires).encode()):
             raise Forbidden("invalid or expired upload signature")
-        await self.orch.templates.store_files(team, files_hash, request.content.iter_chunked(1 << 20))
+        await self.templates.store_files(team, files_hash, request.content.iter_chunked(1 << 20))
         return web.Response(status=200)
 
     async def start_template_build(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.TemplateBuildStartV2, required=True)
-        await self.orch.templates.start_build(request.match_info["templateID"], request.match_info["buildID"],
+        await self.templates.start_build(request.match_info["templateID"], request.match_info["buildID"],
                                               request[_TEAM], body.spec())
         return web.Response(status=202)
 
@@ -271,30 +275,30 @@ class _Handlers:
         level = q.get("level") or None
         if level not in (None, "debug", "info", "warn", "error"):
             raise BadRequest(f"invalid level {level!r}")
-        build = await self.orch.templates.build_status(request.match_info["templateID"],
+        build = await self.templates.build_status(request.match_info["templateID"],
                                                        request.match_info["buildID"], request[_TEAM])
         return web.json_response(schemas.build_status_json(build, offset, limit, level))
 
     async def get_template(self, request: web.Request) -> web.Response:
-        tmpl, builds = await self.orch.templates.get_template(request.match_info["templateID"], request[_TEAM])
+        tmpl, builds = await self.templates.get_template(request.match_info["templateID"], request[_TEAM])
         return web.json_response(schemas.template_with_builds_json(tmpl, builds))
 
     async def template_alias(self, request: web.Request) -> web.Response:
-        tmpl = await self.orch.templates.alias_info(request.match_info["alias"], request[_TEAM])
+        tmpl = await self.templates.alias_info(request.match_info["alias"], request[_TEAM])
         return web.json_response({"templateID": tmpl.template_id, "public": tmpl.public})
 
     async def assign_tags(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.AssignTemplateTagsRequest, required=True)
-        build_id, tags = await self.orch.templates.assign_tags(body.target, body.tags, request[_TEAM])
+        build_id, tags = await self.templates.assign_tags(body.target, body.tags, request[_TEAM])
         return web.json_response({"tags": tags, "buildID": build_id}, status=201)
 
     async def delete_tags(self, request: web.Request) -> web.Response:
         body = await _body(request, schemas.DeleteTemplateTagsRequest, required=True)
-        await self.orch.templates.remove_tags(body.name, body.tags, request[_TEAM])
+        await self.templates.remove_tags(body.name, body.tags, request[_TEAM])
         return web.Response(status=204)
 
     async def list_tags(self, request: web.Request) -> web.Response:
-        tags = await self.orch.templates.list_tags(request.match_info["templateID"], request[_TEAM])
+        tags = await self.templates.list_tags(request.match_info["templateID"], request[_TEAM])
         return web.json_response([{"tag": t.tag, "buildID": t.build_id, "createdAt": rfc3339(t.created_at)}
                                   for t in tags])
 
@@ -468,7 +472,7 @@ class _Handlers:
     async def delete_template(self, request: web.Request) -> web.Response:
         """What the SDK's `Sandbox.delete_snapshot(id)` calls: snapshots are the only deletable templates."""
         template_id = request.match_info["templateID"]
-        if hasattr(self.orch, "templates") and await self.orch.templates.delete_template(template_id, request[_TEAM]):
+        if hasattr(self.orch, "templates") and await self.templates.delete_template(template_id, request[_TEAM]):
             return web.Response(status=204)
         for t in await self.orch.list_templates():
             if template_id == t.template_id or template_id in t.aliases:
@@ -483,7 +487,7 @@ class _Handlers:
         built template with other teams is not supported, so publishing is refused with a clear error.
         """
         body = await _body(request, schemas.TemplateUpdateRequest, required=True)
-        tmpl, _ = await self.orch.templates.get_template(request.match_info["templateID"], request[_TEAM])
+        tmpl, _ = await self.templates.get_template(request.match_info["templateID"], request[_TEAM])
         if tmpl.team_id is None:
             raise Forbidden(f"template '{tmpl.template_id}' is built in (public to every team) and cannot be changed")
         if body.public:

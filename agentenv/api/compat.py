@@ -101,6 +101,15 @@ def not_supported(what: str, why: str) -> AgentEnvError:
                          error_code=NOT_SUPPORTED)
 
 
+def template_service(orchestrator: Any) -> Any:
+    """A node's template service; a cluster gateway has none (builds and tags live on a node)."""
+    service = getattr(orchestrator, "templates", None)
+    if service is None:
+        raise not_supported("Template builds and tags through the cluster gateway",
+                            "build on a node's own API (see docs/cluster.md); the gateway lists templates")
+    return service
+
+
 VOLUMES_WHY = "sandboxes have no persistent volumes here; snapshots keep files"
 SECRETS_WHY = "there is no secret store; pass values as environment variables"
 
@@ -115,7 +124,7 @@ class CompatHandlers:
     async def _templates(self, team: str) -> list[tuple[TemplateRecord, list[TemplateBuildRecord]]]:
         if not hasattr(self.orch, "templates"):  # an orchestrator without the template service
             return [(t, []) for t in await self.orch.list_templates()]
-        return await self.orch.templates.list_templates(team)
+        return await template_service(self.orch).list_templates(team)
 
     @staticmethod
     def _template_json(tmpl: TemplateRecord, builds: list[TemplateBuildRecord]) -> dict[str, Any]:
@@ -150,7 +159,7 @@ class CompatHandlers:
         direction = _choice(q, "direction", ("forward", "backward")) or "forward"
         level = _choice(q, "level", LOG_LEVELS)
         _choice(q, "source", ("temporary", "persistent"))  # one store here: both name the same logs
-        build = await self.orch.templates.build_status(request.match_info["templateID"],
+        build = await template_service(self.orch).build_status(request.match_info["templateID"],
                                                        request.match_info["buildID"], self.team_of(request))
         return web.json_response({"logs": build_log_page(build, cursor=cursor, limit=limit or 0,
                                                           direction=direction, level=level)})
@@ -159,8 +168,8 @@ class CompatHandlers:
         """Tags of the template that name a ready build (the ones a sandbox can start from)."""
         team = self.team_of(request)
         template_id = request.match_info["templateID"]
-        tags = await self.orch.templates.list_tags(template_id, team)
-        _, builds = await self.orch.templates.get_template(template_id, team)
+        tags = await template_service(self.orch).list_tags(template_id, team)
+        _, builds = await template_service(self.orch).get_template(template_id, team)
         ready = {b.build_id for b in builds if b.status == BuildStatus.READY}
         return {t.tag for t in tags if t.build_id in ready}
 

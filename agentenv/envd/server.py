@@ -57,8 +57,13 @@ async def access_middleware(request: web.Request, handler) -> web.StreamResponse
         return unauthorized()
     try:
         return await handler(request)
-    except web.HTTPException:
-        raise
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type == "application/json":
+            raise
+        # the router's own 404/405 (an unknown route or method): a JSON error like every other answer
+        headers = {k: v for k, v in exc.headers.items() if k.lower() not in ("content-type", "content-length")}
+        message = f"{exc.reason}: {request.method} {request.path}"
+        return web.json_response({"code": exc.status, "message": message}, status=exc.status, headers=headers)
     except Exception as exc:  # noqa: BLE001
         # aiohttp's own 500 page would also force-close the connection (see module docstring).
         log.exception("unhandled error in %s %s", request.method, request.path)

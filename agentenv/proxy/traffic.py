@@ -41,8 +41,14 @@ from agentenv.constants import ENVD_PORT
 
 log = logging.getLogger(__name__)
 
+# Bodies are relayed in pieces of up to this many bytes each way: aiohttp's 64 KiB default made a
+# proxied 64 MiB download half as fast as a direct one (docs/benchmarks.md, files). A stream buffers at
+# most twice this before its reader pauses the socket, so a slow client costs this much memory per
+# transfer, not the whole body.
+RELAY_BUFSIZE = 1 << 20
+
 # Pass to web.AppRunner / web.run_app for the listener that hosts the proxy (raw body passthrough).
-LISTENER_OPTIONS: dict[str, Any] = {"auto_decompress": False}
+LISTENER_OPTIONS: dict[str, Any] = {"auto_decompress": False, "read_bufsize": RELAY_BUFSIZE}
 
 SANDBOX_ID_HEADER = "E2b-Sandbox-Id"
 SANDBOX_PORT_HEADER = "E2b-Sandbox-Port"
@@ -354,6 +360,7 @@ class TrafficProxy:
                                                socket_factory=_resetting_socket),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
                 auto_decompress=False,
+                read_bufsize=RELAY_BUFSIZE,
                 cookie_jar=aiohttp.DummyCookieJar(),  # never share cookies between clients
                 skip_auto_headers=_NO_AUTO_HEADERS,
                 trust_env=False,

@@ -194,6 +194,28 @@ def test_shell_restores_the_terminal(server, sid, tmp_path):
     assert "-icanon" not in before.read_text()
 
 
+def test_shell_ended_by_sigterm_kills_the_remote_shell_and_restores_the_terminal(server, sid, tmp_path):
+    before, after = tmp_path / "before", tmp_path / "after"
+    env = server.sdk_env()
+    env["TERM"] = "xterm"
+    script = (f"stty -g > {before}; {agentenv_executable()} sandbox shell {sid}; echo rc=$?; "
+              f"stty -g > {after}")
+    child = pexpect.spawn("/bin/sh", ["-c", script], env=env, dimensions=(24, 80), timeout=60)
+    try:
+        child.expect(r"\$ ")
+        child.sendline("echo $$ > /tmp/term-shell.pid")
+        child.expect(r"\$ ")
+        cli_pid = int(subprocess.check_output(["pgrep", "-P", str(child.pid)]).split()[0])
+        os.kill(cli_pid, signal.SIGTERM)
+        child.expect("rc=143")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert before.read_text() == after.read_text(), "SIGTERM left the terminal in raw mode"
+    gone = run_cli(server, "sandbox", "exec", sid, "--", "kill -0 $(cat /tmp/term-shell.pid) 2>/dev/null || echo gone")
+    assert gone.stdout == b"gone\n"
+
+
 def test_shell_needs_a_terminal(server, sid):
     p = run_cli(server, "sandbox", "shell", sid, check=False)  # stdin is /dev/null
     assert p.returncode == 2 and b"needs a terminal" in p.stderr

@@ -6,6 +6,9 @@ pause/resume, fork and a filesystem-only pause, and Node.js + npm in the base te
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from e2b import Sandbox
@@ -213,3 +216,17 @@ def test_node_and_npm_in_the_base_template(sbx):
                  "&& npm run -s hi")
     assert r.stdout.strip() == "42", (r.stdout, r.stderr)
     assert run(sbx, "id -un").stdout.strip() == "user"
+
+
+# ---- the same through the npm SDK ------------------------------------------------------------------
+
+
+def test_js_sdk_file_metadata_and_boot_id(server):
+    js_dir = Path(__file__).resolve().parents[1] / "js"
+    node = shutil.which("node")
+    if node is None or not (js_dir / "node_modules" / "e2b" / "package.json").exists():
+        pytest.fail("node or tests/js/node_modules is missing (run scripts/setup.sh --test)")
+    proc = subprocess.run([node, "--test", "guest_os.test.mjs"], cwd=js_dir, env=server.sdk_env(),
+                          capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"node --test: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "# pass 2" in proc.stdout and "# fail 0" in proc.stdout, proc.stdout

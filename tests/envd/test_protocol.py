@@ -91,6 +91,14 @@ def test_init_reinit_rules(envd_factory):
     assert r.status_code == 204
 
 
+def test_unknown_routes_and_methods_answer_json_errors(envd):
+    r = requests.get(envd.url + "/no-such-route", headers=envd.headers(), timeout=5)
+    assert r.status_code == 404 and r.headers["Content-Type"].startswith("application/json")
+    assert r.json()["code"] == 404 and "/no-such-route" in r.json()["message"]
+    r = requests.delete(envd.url + "/envs", headers=envd.headers(), timeout=5)
+    assert r.status_code == 405 and r.json()["code"] == 405 and "GET" in r.headers["Allow"]
+
+
 def test_unary_errors_are_connect_json(envd, workdir):
     r = unary(envd, "filesystem.Filesystem/Stat", {"path": f"{workdir}/missing"})
     assert r.status_code == 404 and r.headers["Content-Type"].startswith("application/json")
