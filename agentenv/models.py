@@ -39,6 +39,17 @@ class SandboxState(str, enum.Enum):
         return "running"
 
 
+# Cluster node loss (its heartbeats stopped): every sandbox of the node becomes LOST except a paused
+# one whose state was published to the snapshot store (`SandboxRecord.memory_digest`, or a
+# filesystem-only pause): that one stays PAUSED and any other node can resume it. Here, not in
+# orchestrator.lifecycle, because the state stores apply it (state never imports orchestrator).
+SURVIVES_NODE_LOSS: frozenset[SandboxState] = frozenset({SandboxState.PAUSED})
+
+
+def after_node_loss(state: SandboxState, published: bool) -> SandboxState:
+    return state if state in SURVIVES_NODE_LOSS and published else SandboxState.LOST
+
+
 @dataclass
 class SandboxRecord:
     sandbox_id: str

@@ -20,7 +20,8 @@ from aiohttp import web
 from agentenv.cluster import codec
 from agentenv.cluster.internal import error_response, require_token
 from agentenv.config import Settings
-from agentenv.errors import AgentEnvError, BadRequest
+from agentenv.errors import AgentEnvError
+from agentenv.orchestrator import operations
 from agentenv.models import NodeRecord, SandboxRecord, SandboxState, utcnow
 
 log = logging.getLogger("agentenv.cluster.node")
@@ -64,11 +65,8 @@ def _meminfo_mb() -> tuple[int, int]:
 class NodeAgent:
     """Heartbeats + internal RPC around one orchestrator."""
 
-    # Orchestrator operations the gateway may call (keyword arguments only).
-    RPC = ("create_sandbox", "list_sandboxes", "get_sandbox", "kill_sandbox", "set_timeout", "refresh",
-           "connect_sandbox", "pause_sandbox", "fork_sandbox", "create_snapshot", "list_snapshots",
-           "get_snapshot", "delete_snapshot", "list_templates", "adopt_sandbox", "release_sandbox",
-           "update_network")
+    # Orchestrator operations the gateway may call (keyword arguments only): the typed request table.
+    RPC = operations.RPC
 
     def __init__(self, settings: Settings, components) -> None:
         self.settings = settings
@@ -152,12 +150,10 @@ class NodeAgent:
     # ------------------------------------------------------------------ internal HTTP
 
     async def rpc(self, request: web.Request) -> web.Response:
-        method = request.match_info["method"]
-        if method not in self.RPC:
-            return error_response(BadRequest(f"no internal method {method!r}"))
         kwargs = codec.decode(await request.json())
         try:
-            result = await getattr(self.orch, method)(**kwargs)
+            req = operations.from_rpc(request.match_info["method"], kwargs)
+            result = await self.orch.handle(req)
         except AgentEnvError as e:
             return error_response(e)
         return web.json_response(codec.encode(result))

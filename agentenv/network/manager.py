@@ -55,7 +55,7 @@ from agentenv.network.slots import (
     slot_capacity,
 )
 from agentenv.network.shaping import cap_bandwidth
-from agentenv.runtimes._proc import run_cmd
+from agentenv.proc import run_cmd
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from agentenv.errors import RuntimeFailure
 from agentenv.network.slots import GATEWAY_LINK, NS_HOST_LINK, NetSlot
-from agentenv.runtimes._proc import run_cmd
+from agentenv.proc import run_cmd
 
 TC_TIMEOUT = 10.0
 

@@ -97,7 +97,7 @@ class NodeCollector(Collector):
         ready = {p.stem for p in warm_dir.glob("*.json")} if warm_dir.is_dir() else set()
         for t in sorted(ready)[:50]:
             warm.add_metric([t], 1)
-        for t in sorted(getattr(self.orch, "_warm_building", {}))[:50]:
+        for t in sorted(self.orch.warm.building)[:50]:
             building.add_metric([t], 1)
         yield warm
         yield building

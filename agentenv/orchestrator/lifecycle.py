@@ -1,9 +1,15 @@
-"""The one place where sandbox lifecycle transitions are defined.
+"""The one place where sandbox lifecycle transitions are defined, and the only writer of a state.
 
 Every operation (create, pause, resume, snapshot, fork, kill, expiry) asks `Lifecycle.begin` for a
 transition; an illegal one is rejected with a 409 that names the current state. A per-sandbox lock
 serialises concurrent requests on the same sandbox, so two pauses (or a fork racing a kill) can never
 interleave: the second one sees the state the first one left.
+
+`Lifecycle` also holds the node's live records (the state store is the durable copy) and is the
+only code that assigns `SandboxRecord.state` (tests/test_import_graph.py checks it): a new sandbox
+enters as CREATING (`enter`), a failed start leaves as FAILED (`fail`), an operation moves to its
+transient state (`begin`), back where it was when it is refused (`rollback`) and to its final
+state when it is done (`settle`).
 """
 
 from __future__ import annotations
@@ -13,8 +19,12 @@ import contextlib
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-from agentenv.errors import Conflict
+from agentenv.errors import Conflict, sandbox_not_found
+from agentenv.models import SURVIVES_NODE_LOSS, SandboxRecord, after_node_loss
 from agentenv.models import SandboxState as S
+
+# Cluster node loss is defined with the states (models.py), where the state stores apply it.
+__all__ = ["TRANSITIONS", "SURVIVES_NODE_LOSS", "after_node_loss", "check", "Lifecycle"]
 
 # state -> operation -> (transient state while it runs, final state on success)
 TRANSITIONS: dict[S, dict[str, tuple[S, S]]] = {
@@ -34,15 +44,6 @@ TRANSITIONS: dict[S, dict[str, tuple[S, S]]] = {
     S.FAILED: {"kill": (S.KILLING, S.KILLED)},
     S.LOST: {"kill": (S.KILLING, S.KILLED)},
 }
-
-# Cluster node loss (its heartbeats stopped): every sandbox of the node becomes LOST except a paused
-# one whose state was published to the snapshot store (`SandboxRecord.memory_digest`, or a
-# filesystem-only pause): that one stays PAUSED and any other node can resume it.
-SURVIVES_NODE_LOSS: frozenset[S] = frozenset({S.PAUSED})
-
-
-def after_node_loss(state: S, published: bool) -> S:
-    return state if state in SURVIVES_NODE_LOSS and published else S.LOST
 
 # Wording for the 409s, keyed by (state, operation); a generic message covers the rest.
 _MESSAGES: dict[tuple[S, str], str] = {
@@ -67,10 +68,14 @@ def check(state: S, op: str, sandbox_id: str) -> tuple[S, S]:
 
 
 class Lifecycle:
-    """Per-sandbox locks. Hold `lock(id)` around read-check-transition-persist sequences."""
+    """Per-sandbox locks, the live records, and every state change.
 
-    def __init__(self) -> None:
+    Hold `lock(id)` around read-check-transition-persist sequences."""
+
+    def __init__(self, store=None) -> None:
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.store = store
+        self._records: dict[str, SandboxRecord] = {}
 
     @contextlib.asynccontextmanager
     async def lock(self, sandbox_id: str) -> AsyncIterator[None]:
@@ -82,3 +87,73 @@ class Lifecycle:
         lk = self._locks.get(sandbox_id)
         if lk is not None and not lk.locked():
             self._locks.pop(sandbox_id, None)
+
+    # ------------------------------------------------------------------ reads
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        return self._records.get(sandbox_id)
+
+    def records(self) -> list[SandboxRecord]:
+        return list(self._records.values())
+
+    def live(self, sandbox_id: str, team_id: str | None) -> SandboxRecord:
+        """The record of a sandbox that is not being killed (and is `team_id`'s), else 404."""
+        rec = self._records.get(sandbox_id)
+        if rec is None or (team_id is not None and rec.team_id != team_id) or rec.state in (S.KILLED, S.KILLING):
+            raise sandbox_not_found(sandbox_id)
+        return rec
+
+    # ------------------------------------------------------------------ writes
+
+    def enter(self, rec: SandboxRecord) -> None:
+        """A new sandbox (create, fork child) is CREATING from here on (no await: admission binds it)."""
+        rec.state = S.CREATING
+        self._records[rec.sandbox_id] = rec
+
+    def adopt(self, rec: SandboxRecord, state: S | None = None) -> None:
+        """Hold a record that exists elsewhere already (restart reconcile, a paused sandbox moved here)."""
+        if state is not None:
+            rec.state = state
+        self._records[rec.sandbox_id] = rec
+
+    def begin(self, rec: SandboxRecord, op: str) -> tuple[S, S]:
+        """Check `op` from the current state and move to its transient state; (before, final)."""
+        before = rec.state
+        transient, final = check(rec.state, op, rec.sandbox_id)
+        rec.state = transient
+        return before, final
+
+    def rollback(self, rec: SandboxRecord, before: S) -> None:
+        """An operation refused before anything happened: back to where it was (not persisted: the
+        store never saw the transient state)."""
+        rec.state = before
+
+    def mark(self, rec: SandboxRecord, state: S) -> None:
+        """Set a state without persisting it (the caller persists it with more fields, or not at all)."""
+        rec.state = state
+
+    async def settle(self, rec: SandboxRecord, state: S | None = None) -> None:
+        """Land in `state` (None: keep the current one) and persist the record."""
+        if state is not None:
+            rec.state = state
+        await self.store.put_sandbox(rec)
+
+    async def persist(self, rec: SandboxRecord) -> None:
+        await self.store.put_sandbox(rec)
+
+    def drop(self, sandbox_id: str) -> SandboxRecord | None:
+        """No longer on this node (its durable record is the caller's business: `remove`)."""
+        return self._records.pop(sandbox_id, None)
+
+    async def remove(self, rec: SandboxRecord, state: S = S.KILLED) -> None:
+        """The sandbox is gone: `state` (KILLED, or FAILED for a start that failed), out of the live
+        view and deleted from the store."""
+        rec.state = state
+        self._records.pop(rec.sandbox_id, None)
+        await self.store.delete_sandbox(rec.sandbox_id)
+
+    def fail(self, rec: SandboxRecord) -> None:
+        """A start (or a capture's restore) failed: FAILED, out of the live view at once (no await:
+        admission unbinds it); the caller deletes the durable record after the teardown."""
+        rec.state = S.FAILED
+        self._records.pop(rec.sandbox_id, None)

@@ -12,30 +12,9 @@ from pathlib import Path
 from typing import Protocol
 
 from agentenv.network.slots import NetSlot
+from agentenv.storage.guest import VmBoot, VmDisk  # part of the seam: SandboxSpec.vm
 
-
-@dataclass
-class VmDisk:
-    """One virtio block device of a microVM (raw file or image the VMM opens)."""
-
-    drive_id: str
-    path: Path
-    read_only: bool = False
-    root: bool = False
-
-
-@dataclass
-class VmBoot:
-    """What a microVM runtime (Firecracker, QEMU) boots; container runtimes ignore it.
-
-    `disks` are the *template's* disks: a VM runtime gives each sandbox its own copy-on-write
-    copy of the writable ones (reflink / qcow2 overlay) and shares the read-only ones.
-    """
-
-    kernel: Path                         # uncompressed ELF vmlinux (Firecracker) or bzImage (QEMU)
-    initrd: Path | None = None
-    cmdline: str = ""
-    disks: list[VmDisk] = field(default_factory=list)
+__all__ = ["Runtime", "RuntimeTraits", "SandboxSpec", "VmBoot", "VmDisk"]
 
 
 @dataclass
@@ -66,8 +45,25 @@ class SandboxSpec:
     boot_id_file: Path | None = None
 
 
+@dataclass(frozen=True)
+class RuntimeTraits:
+    """What a runtime can do, declared by the runtime (the orchestrator never probes with getattr)."""
+
+    vm: bool = False                  # a microVM with its own guest kernel (Firecracker, QEMU)
+    boots_from_spec: bool = False     # boots the guest image the host puts in SandboxSpec.vm (Firecracker)
+    envd_timeout_s: float = 60.0      # how long envd may take to answer after a start or restore
+    resets_connections: bool = False  # checkpoint(reset_connections=...) (gVisor >= 20240729)
+    may_stay_frozen: bool = False     # a capture interrupted by a restart can leave it frozen: state()/resume()
+
+
 class Runtime(Protocol):
     name: str
+
+    @property
+    def traits(self) -> RuntimeTraits: ...
+
+    async def close(self) -> None:
+        """Release what the runtime holds for all its sandboxes (API clients, mounts); sandboxes live on."""
 
     async def start(self, spec: SandboxSpec) -> None:
         """Boot the sandbox; returns once the runtime reports it running (envd may still be starting)."""
@@ -82,11 +78,15 @@ class Runtime(Protocol):
 
     async def resume(self, sandbox_id: str) -> None: ...
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path) -> None:
-        """Write memory + runtime state to image_dir. The sandbox is stopped afterwards."""
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, **options: bool) -> None:
+        """Write memory + runtime state to image_dir. The sandbox is stopped afterwards.
+        `reset_connections=` only where `traits.resets_connections`."""
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         """Start a sandbox from a checkpoint (possibly into another slot/rootfs: a fork child)."""
+
+    async def state(self, sandbox_id: str) -> str | None:
+        """The runtime's own state of the sandbox ("running", "paused", ...), None if unknown."""
 
     async def list_ids(self) -> list[str]:
         """Ids of all sandboxes this runtime knows on this node (to reap orphans after a crash)."""

@@ -40,8 +40,8 @@ import aiohttp
 from agentenv import constants
 from agentenv.errors import RuntimeFailure
 from agentenv.network.slots import GUEST_LINK
-from agentenv.runtimes._proc import run_cmd
-from agentenv.runtimes.base import SandboxSpec, VmBoot, VmDisk
+from agentenv.proc import run_cmd
+from agentenv.runtimes.base import RuntimeTraits, SandboxSpec, VmBoot, VmDisk
 from agentenv.storage import reflink as rl
 
 log = logging.getLogger(__name__)
@@ -433,6 +433,7 @@ class FirecrackerRuntime:
     """
 
     name = "firecracker"
+    traits = RuntimeTraits(vm=True, boots_from_spec=True)
     # A VM snapshot keeps the guest kernel's TCP connections: the orchestrator need not drain them.
     keeps_tcp_across_checkpoint = True
 
@@ -729,6 +730,9 @@ class FirecrackerRuntime:
     def vm(self, sandbox_id: str) -> FirecrackerVM:
         """The VM object (its API client) of a sandbox: for tests, benchmarks and diagnostics."""
         return self._vm(sandbox_id)
+
+    async def state(self, sandbox_id: str) -> str | None:
+        return "running" if await self.is_alive(sandbox_id) else None
 
     async def close(self) -> None:
         """Drop the API clients; unmount the loop-mounted VM store when no VM runs any more.

@@ -41,8 +41,8 @@ from typing import Any
 from agentenv import constants
 from agentenv.config import Settings
 from agentenv.errors import CaptureRefused, RuntimeFailure
-from agentenv.runtimes._proc import CmdResult, run_cmd
-from agentenv.runtimes.base import SandboxSpec
+from agentenv.proc import CmdResult, run_cmd
+from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
 from agentenv.runtimes.gvisor_platform import MIN_RELEASE, PlatformChoice, choose_platform, default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,13 @@ class GVisorRuntime:
         self._flags_lock = asyncio.Lock()
 
     # ---------------------------------------------------------------- plumbing
+
+    @property
+    def traits(self) -> RuntimeTraits:
+        return RuntimeTraits(resets_connections=self.modern, may_stay_frozen=True)
+
+    async def close(self) -> None:
+        """Nothing held across sandboxes (each runsc call is its own process)."""
 
     @property
     def modern(self) -> bool:

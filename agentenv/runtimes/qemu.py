@@ -38,8 +38,8 @@ from typing import Any
 
 from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure
-from agentenv.runtimes._proc import run_cmd
-from agentenv.runtimes.base import SandboxSpec
+from agentenv.proc import run_cmd
+from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
 from agentenv.storage import guest
 from agentenv.storage.artifacts import REQUIRES_FILE, ArtifactCache, drive_path
 
@@ -129,7 +129,6 @@ class QemuRuntime:
 
     name = "qemu"
     keeps_tcp_across_checkpoint = True
-    wants_vm_boot = False  # builds its drives itself (same guest image; qcow2 instead of raw copies)
     envd_timeout = 240.0  # a cold boot under TCG on a busy host (15-40 s measured); KVM sets it lower
 
     def __init__(self, settings: Settings) -> None:
@@ -525,6 +524,14 @@ class QemuRuntime:
             except (FileNotFoundError, NotADirectoryError):
                 pass
 
+    @property
+    def traits(self) -> RuntimeTraits:
+        # builds its drives itself (same guest image; qcow2 instead of raw copies): not boots_from_spec
+        return RuntimeTraits(vm=True, envd_timeout_s=self.envd_timeout)
+
+    async def state(self, sandbox_id: str) -> str | None:
+        return "running" if await self.is_alive(sandbox_id) else None
+
     async def close(self) -> None:
         """Server shutdown: drop the QMP sessions (the VMs themselves keep running or were stopped)."""
         for sid in list(self._qmp):
@@ -578,10 +585,10 @@ def _tail(path: Path, limit: int = 1500) -> str:
         return "(no log)"
 
 
-# ---------------------------------------------------------------- registration (agentenv.runtimes.select)
+# ---------------------------------------------------------------- probe (registered by agentenv.runtimes.select)
 
 
-async def _probe(settings: Settings, virt) -> "Any":
+async def probe(settings: Settings, virt) -> "Any":
     """Available when the QEMU binary runs; KVM-backed (a real VM at near-native speed) only on
     hardware virtualization, else emulated (TCG: real Linux guest, slow; ranked below gVisor)."""
     from agentenv.runtimes import select
@@ -607,11 +614,3 @@ async def _probe(settings: Settings, virt) -> "Any":
     return select.Probe("qemu", "tcg" in accels, select.STRENGTH_EMULATED_VM, why, "emulated VM", None,
                         {**extra, "accel": "tcg"})
 
-
-def _register() -> None:
-    from agentenv.runtimes import select
-
-    select.register("qemu", QemuRuntime, _probe, vm=True)
-
-
-_register()

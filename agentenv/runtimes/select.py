@@ -14,8 +14,8 @@ the CPU's vmx/svm flag, and a VMM is only counted once it has booted a probe gue
 Asking for a VM runtime explicitly never silently degrades: if it cannot run, selection fails
 with the reason (`RuntimeUnavailable`, HTTP 400 for a request, a startup error for the server).
 
-Runtimes register here (`register`) with a factory and a probe; the QEMU runtime registers itself
-from its own module.
+Every runtime registers here, the same way (`register`: a factory and a probe that import the
+runtime's module lazily); what a runtime can do is its `traits` (runtimes/base.py).
 """
 
 from __future__ import annotations
@@ -191,27 +191,25 @@ class Entry:
 
 _REGISTRY: dict[str, Entry] = {}
 
-# The guest image builder microVM runtimes need (template -> kernel, initramfs, disks as VmBoot);
-# registered by the guest image module (agentenv/storage/guest.py). Until one is, Firecracker is not
-# offered by `auto`.
+# The guest image builder microVM runtimes need (template -> kernel, initramfs, disks as VmBoot):
+# agentenv/storage/guest.py, loaded on first use (`_load_providers`). Until it is, Firecracker is
+# not offered by `auto`.
 VM_GUEST_IMAGES: Callable[..., Any] | None = None
 
 
 def register(name: str, factory: FactoryFn, probe: ProbeFn, *, vm: bool) -> None:
+    """The one registration path: every runtime is registered below with a factory and a probe
+    that import its module only when called, so each runtime module stays optional."""
     _REGISTRY[name] = Entry(name, factory, probe, vm)
 
 
-# Modules that register with this one when imported: the QEMU runtime (register()) and the microVM
-# guest image (VM_GUEST_IMAGES), each importable without the other.
-_PROVIDERS = ["agentenv.runtimes.qemu", "agentenv.storage.guest"]
-
-
 def _load_providers() -> None:
-    for mod in _PROVIDERS:
+    global VM_GUEST_IMAGES
+    if VM_GUEST_IMAGES is None:
         try:
-            importlib.import_module(mod)
+            VM_GUEST_IMAGES = importlib.import_module("agentenv.storage.guest").vm_boot
         except ImportError:
-            continue
+            pass
 
 
 async def _probe_gvisor(settings: Settings, virt: HostVirt) -> Probe:
@@ -272,8 +270,21 @@ def _firecracker(settings: Settings) -> Any:
                               images_dir=settings.paths.images)
 
 
+async def _probe_qemu(settings: Settings, virt: HostVirt) -> Probe:
+    from agentenv.runtimes.qemu import probe
+
+    return await probe(settings, virt)
+
+
+def _qemu(settings: Settings) -> Any:
+    from agentenv.runtimes.qemu import QemuRuntime
+
+    return QemuRuntime(settings)
+
+
 register("gvisor", _gvisor, _probe_gvisor, vm=False)
 register("firecracker", _firecracker, _probe_firecracker, vm=True)
+register("qemu", _qemu, _probe_qemu, vm=True)
 
 
 # ------------------------------------------------------------------------------------ choosing

@@ -19,9 +19,9 @@ from typing import Any
 
 import asyncpg
 
-from agentenv.models import (ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState, SnapshotRecord, TeamRecord,
+from agentenv.models import (SURVIVES_NODE_LOSS, ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState,
+                             SnapshotRecord, TeamRecord,
                              TemplateBuildRecord, TemplateRecord, TemplateTag, utcnow)
-from agentenv.orchestrator.lifecycle import SURVIVES_NODE_LOSS
 from agentenv.state.sqlite import (_KEY_COLS, _SANDBOX_COLS, _SNAPSHOT_COLS, _TEAM_COLS, _TEMPLATE_COLS,
                                    SQLiteStateStore, _dt, _ts)
 

@@ -1,4 +1,4 @@
-"""Small host helpers shared by the storage modules: commands with timeouts, mount table, locks."""
+"""Small host helpers shared by the storage modules: mount table, locks (commands: agentenv/proc.py)."""
 
 from __future__ import annotations
 
@@ -10,75 +10,16 @@ import errno
 import fcntl
 import logging
 import os
-import signal
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.errors import RuntimeFailure
 
-
-class CommandError(RuntimeFailure):
-    """An external command failed or timed out."""
-
-
-async def run(
-    argv: Sequence[str | os.PathLike[str]],
-    *,
-    timeout: float,
-    log: Path | None = None,
-    on_line: Callable[[str], None] | None = None,
-    env: dict[str, str] | None = None,
-) -> str:
-    """Run argv with a hard timeout; returns combined output (or "" when `log` is given).
-
-    The child gets its own session so a timeout kills the whole group it spawned (by its id),
-    never anything else. Output goes to `log` (appended) when given; `on_line` sees every line.
-    """
-    argv = [os.fspath(a) for a in argv]
-    logf = open(log, "ab") if log is not None else None
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            env=env,
-        )
-        chunks: list[bytes] = []
-
-        async def pump() -> None:
-            assert proc.stdout is not None
-            while line := await proc.stdout.readline():
-                if logf is not None:
-                    logf.write(line)
-                    logf.flush()
-                else:
-                    chunks.append(line)
-                if on_line is not None:
-                    on_line(line.decode("utf-8", "replace").rstrip("\n"))
-            await proc.wait()
-
-        try:
-            await asyncio.wait_for(pump(), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            where = f" (log: {log})" if log else ""
-            raise CommandError(f"{argv[0]} timed out after {timeout:.0f}s{where}") from None
-        out = b"".join(chunks).decode("utf-8", "replace")
-        if proc.returncode != 0:
-            where = f"; see {log}" if log else f": {out.strip()[-2000:]}"
-            raise CommandError(f"{' '.join(argv[:3])} … exited with {proc.returncode}{where}")
-        return out
-    finally:
-        if logf is not None:
-            logf.close()
+# The subprocess runner is agentenv/proc.py (one module for network, storage and runtimes); these
+# names stay importable from here for the storage modules.
+from agentenv.proc import CommandError, run_streamed as run  # noqa: F401
 
 
 # --- mount table -----------------------------------------------------------------------------

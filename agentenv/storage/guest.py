@@ -39,13 +39,39 @@ import stat
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentenv import constants
 from agentenv.storage._util import CommandError, file_lock, run, tree_size
 
 log = logging.getLogger(__name__)
+
+
+# What a microVM boots (`SandboxSpec.vm`, re-exported by agentenv.runtimes.base). Defined here, with
+# the guest image that produces it, so storage never imports runtimes (runtimes import storage).
+@dataclass
+class VmDisk:
+    """One virtio block device of a microVM (raw file or image the VMM opens)."""
+
+    drive_id: str
+    path: Path
+    read_only: bool = False
+    root: bool = False
+
+
+@dataclass
+class VmBoot:
+    """What a microVM runtime (Firecracker, QEMU) boots; container runtimes ignore it.
+
+    `disks` are the *template's* disks: a VM runtime gives each sandbox its own copy-on-write
+    copy of the writable ones (reflink / qcow2 overlay) and shares the read-only ones.
+    """
+
+    kernel: Path                         # uncompressed ELF vmlinux (Firecracker) or bzImage (QEMU)
+    initrd: Path | None = None
+    cmdline: str = ""
+    disks: list[VmDisk] = field(default_factory=list)
 
 KERNEL_META_PACKAGE = "linux-image-cloud-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
@@ -487,12 +513,10 @@ async def build_guest_image(images_dir: Path, base_rootfs: Path, tools_dir: Path
 async def vm_boot(images_dir: Path, spec, progress=None):
     """The guest image as `SandboxSpec.vm` (kernel, initramfs, cmdline, the template's disks).
 
-    Registered as `select.VM_GUEST_IMAGES`; the orchestrator calls it for microVM runtimes that
+    Loaded by runtime selection as `select.VM_GUEST_IMAGES`; the sandbox host calls it for microVM runtimes that
     take their boot from the spec (Firecracker). The root disk is the writable one: the runtime
     gives each sandbox its own copy-on-write copy; the tools disk is shared read-only.
     """
-    from agentenv.runtimes.base import VmBoot, VmDisk
-
     g = GuestImages(images_dir)
     k = await g.ensure_kernel(progress)
     tools = await g.ensure_tools_disk(spec.tools_dir, progress)
@@ -500,11 +524,3 @@ async def vm_boot(images_dir: Path, spec, progress=None):
     return VmBoot(kernel=k.vmlinux, initrd=k.initrd, cmdline=kernel_cmdline(spec.env, spec.args, spec.hostname),
                   disks=[VmDisk("root", root, read_only=False, root=True), VmDisk("tools", tools, read_only=True)])
 
-
-def _register() -> None:
-    from agentenv.runtimes import select
-
-    select.VM_GUEST_IMAGES = vm_boot
-
-
-_register()

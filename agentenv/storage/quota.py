@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from agentenv.errors import RuntimeFailure
-from agentenv.runtimes._proc import run_cmd
+from agentenv.proc import run_cmd
 
 log = logging.getLogger(__name__)
 

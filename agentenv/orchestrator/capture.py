@@ -1,0 +1,176 @@
+"""Capturing a running sandbox for a fork or a snapshot, without ever losing it.
+
+Checkpoint the source once, seal its upper into a new content-addressed layer and its memory into
+an artifact, then restore the source in place on a fresh upper (same id, same slot). A checkpoint
+the runtime refuses leaves the source running (503). Once the image exists the source is never
+lost: if it cannot be brought back it is parked as a paused sandbox with that image (`park`); a
+journal in the sandbox dir (`capture.json`) lets a restarted server find the image of a capture it
+was killed in (`recover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from agentenv.errors import AgentEnvError, RuntimeFailure, Unavailable
+from agentenv.models import SandboxRecord, SandboxState
+from agentenv.orchestrator.host import SandboxHost
+from agentenv.orchestrator.lifecycle import Lifecycle
+
+log = logging.getLogger("agentenv.orchestrator")
+
+
+class Capture:
+    def __init__(self, host: SandboxHost, lifecycle: Lifecycle,
+                 lose: Callable[[SandboxRecord, Exception], Awaitable[Exception]]) -> None:
+        self.host = host
+        self.lifecycle = lifecycle
+        self.artifacts = host.artifacts
+        self._lose = lose
+
+    def _journal_path(self, sandbox_id: str) -> Path:
+        return self.host.sandbox_dir(sandbox_id) / "capture.json"
+
+    def _journal(self, rec: SandboxRecord, **state: object) -> None:
+        """Where a capture stands, so a server killed half-way finds the source's state (`recover`)."""
+        path = self._journal_path(rec.sandbox_id)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"layers": rec.layers, **state}))
+        os.replace(tmp, path)
+
+    async def locked(self, sandbox_id: str, team_id: str | None, op: str) -> tuple[SandboxRecord, str]:
+        """Under the sandbox's lock: check `op` is legal, capture, and land in its final state.
+
+        A refusal before anything happened (open TCP connections) leaves the sandbox as it was.
+        Returns the record and the pinned memory digest (the caller unpins it).
+        """
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self.lifecycle.live(sandbox_id, team_id)
+            before, final = self.lifecycle.begin(rec, op)
+            try:
+                mem = await self._capture(rec)
+            except Unavailable:  # refused before anything happened
+                self.lifecycle.rollback(rec, before)
+                raise
+            await self.lifecycle.settle(rec, final)
+            return rec, mem
+
+    async def _capture(self, rec: SandboxRecord) -> str:
+        """Checkpoint a running sandbox, seal its upper into a layer, restore it in place.
+
+        Returns the memory artifact's digest (pinned). The caller holds the sandbox's lock and has
+        set its transient state.
+        """
+        host = self.host
+        sid = rec.sandbox_id
+        tmp_image = host.sandbox_dir(sid) / "capture"
+        shutil.rmtree(tmp_image, ignore_errors=True)
+        slot = host.slots[sid]
+        t0 = time.monotonic()
+        try:
+            await host.checkpoint(rec, tmp_image)
+        except Unavailable:  # nothing happened: the caller resets the state
+            raise
+        except Exception as e:  # noqa: BLE001 - the source died under the checkpoint
+            raise await self._lose(rec, e) from e
+        t_ckpt = time.monotonic() - t0
+        mem: str | None = None
+
+        async def record_layer(layer: str | None) -> None:
+            if layer:
+                rec.layers = [layer] + rec.layers
+                self._journal(rec, image=str(tmp_image))
+                await self.lifecycle.persist(rec)
+
+        try:
+            self._journal(rec, image=str(tmp_image))
+            # the upper is sealed from the disk image (keep_disk): the source comes back on a fresh one
+            sealed = await host.seal(sid, tmp_image, keep_disk=True, on_layer=record_layer)
+            mem = sealed.memory
+            host.pin(mem)
+            self._journal(rec, memory=mem)
+            t_seal = time.monotonic() - t0 - t_ckpt
+            # Same id, same slot (guest addressing is identical anyway), fresh upper on the new chain.
+            await host.network.deactivate(slot)
+            await host.bring_up(rec, restore_from=self.artifacts.memory_dir(mem),
+                                restore_token=rec.envd_access_token, slot=slot)
+            log.info("captured %s: checkpoint %.3fs, seal %.3fs, source back after %.3fs (layer %s)", sid,
+                     t_ckpt, t_seal, time.monotonic() - t0, sealed.layer[:12] if sealed.layer else "-")
+        except Exception as e:  # noqa: BLE001
+            if mem is not None:
+                host.unpin(mem)
+            raise await self.park(rec, tmp_image, mem, e) from e
+        finally:
+            self._journal_path(sid).unlink(missing_ok=True)
+        await self.lifecycle.persist(rec)
+        return mem
+
+    async def park(self, rec: SandboxRecord, image: Path, mem: str | None, why: Exception) -> AgentEnvError:
+        """The source was checkpointed but could not be brought back: keep it as a paused sandbox with
+        that image (its memory, processes and files), resumable like any pause. Never LOST."""
+        host = self.host
+        sid = rec.sandbox_id
+        log.error("sandbox %s could not be restored after its capture (%s); parking it paused", sid, why)
+        host.keep_logs(sid, "capture")
+        await asyncio.shield(host.stop_quietly(sid, rec.runtime))
+        await host.release_slot(sid)
+        try:
+            await host.rootfs.unmount(sid)
+        except Exception:  # noqa: BLE001
+            log.exception("unmount of %s failed", sid)
+        try:
+            await self.image_as_pause(sid, image, mem)
+        except OSError as e:
+            raise await self._lose(rec, e) from e
+        rec.pause_mode = "full"
+        await self.lifecycle.settle(rec, SandboxState.PAUSED)
+        return RuntimeFailure(f"Sandbox {sid} was captured but could not be restarted ({why}); it is paused "
+                              "with its full state: resume it", error_code="sandbox_parked")
+
+    async def image_as_pause(self, sandbox_id: str, image: Path | None, mem: str | None) -> None:
+        """Make a capture's image the sandbox's pause checkpoint: the sealed memory artifact `mem`
+        (it stays in the cache: hard-linked) or else the unsealed image dir (moved)."""
+        ckpt = self.host.checkpoint_dir(sandbox_id)
+        shutil.rmtree(ckpt, ignore_errors=True)
+        if mem is not None:
+            await asyncio.to_thread(shutil.copytree, self.artifacts.memory_dir(mem), ckpt, copy_function=os.link)
+        else:
+            assert image is not None
+            os.replace(image, ckpt)
+
+    async def recover(self, rec: SandboxRecord) -> bool:
+        """A server killed mid-capture left the source stopped with a complete image (its journal):
+        keep it as a paused sandbox with that image. True if it was recovered."""
+        host = self.host
+        sid = rec.sandbox_id
+        try:
+            journal = json.loads(self._journal_path(sid).read_text())
+        except (OSError, ValueError):
+            return False
+        image = Path(journal["image"]) if journal.get("image") else None
+        if not journal.get("memory") and not (image and image.is_dir()):
+            return False
+        try:
+            await self.image_as_pause(sid, image, journal.get("memory"))
+        except OSError as e:
+            log.error("could not recover the interrupted capture of %s: %s", sid, e)
+            return False
+        rec.layers = list(journal.get("layers") or rec.layers)
+        rec.pause_mode, rec.slot = "full", None
+        self.lifecycle.mark(rec, SandboxState.PAUSED)
+        await host.stop_quietly(sid)  # not adopted yet: the node's default runtime (stop is idempotent)
+        slot = host.network.slot_for(sid)
+        if slot is not None:
+            await host.network.release(slot)
+        self._journal_path(sid).unlink(missing_ok=True)
+        await self.lifecycle.persist(rec)
+        self.lifecycle.adopt(rec)
+        log.warning("sandbox %s: its capture was interrupted by a restart; it is paused with its full state", sid)
+        return True

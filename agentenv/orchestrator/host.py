@@ -1,0 +1,423 @@
+"""The sandbox host: what it takes to run one sandbox on this node, and to take it apart.
+
+Every lifecycle operation (create, fork, pause/resume, snapshot) and every builder (warm images,
+template builds) brings sandboxes up, captures and tears them down through this one layer:
+
+- bring-up  = rootfs mount + network slot (in parallel) → spec → start or restore → slot up →
+              envd healthy → `/init` (`bring_up`; `prepare` + `launch` + `init_envd` separately)
+- capture   = checkpoint (`checkpoint`) + seal (`seal`: unmount → upper into a layer → memory
+              image into an artifact); `capture` is both, in that order
+- teardown  = close host-side connections → runtime stop → slot release → rootfs release
+- drain     = `quiesce` (the proxy's connections) and the in-sandbox reset before a checkpoint
+
+It knows nothing of sandbox states, teams or quotas: those are the orchestrator's (`lifecycle`,
+`admission`). It holds what a running sandbox has on the host: its runtime and network slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import shutil
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.config import Settings
+from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
+from agentenv.errors import AgentEnvError, CaptureRefused, RuntimeFailure, Unavailable
+from agentenv.models import SandboxRecord
+from agentenv.network.policy import EgressPolicy, parse_policy
+from agentenv.network.slots import NetSlot
+from agentenv.orchestrator import envd_client
+from agentenv.orchestrator.trace import span
+from agentenv.runtimes import select as runtime_select
+from agentenv.runtimes.base import Runtime, SandboxSpec
+from agentenv.storage.artifacts import ArtifactCache
+
+log = logging.getLogger("agentenv.orchestrator")
+
+# The sandbox's /proc/sys/kernel/random/boot_id, in its sandbox dir (SandboxSpec.boot_id_file), and the
+# boot a memory image continues, in the image dir (`checkpoint`, `write_boot_id`).
+BOOT_ID_FILE = "boot_id"
+
+
+@dataclass
+class Sealed:
+    """What `seal` made of a stopped sandbox: its upper as a layer (None: nothing changed) and its
+    memory image as an artifact (None: no image given)."""
+
+    layer: str | None
+    memory: str | None
+
+
+def policy_of(rec: SandboxRecord) -> EgressPolicy:
+    return parse_policy(rec.allow_internet_access, rec.network)
+
+
+class SandboxHost:
+    def __init__(self, settings: Settings, images, rootfs, network, runtime: Runtime, artifacts: ArtifactCache,
+                 *, extra_runtimes: Iterable[Runtime] = ()) -> None:
+        """`runtime` runs the sandboxes that ask for nothing else; `extra_runtimes` (by name) those whose
+        template or create request names them."""
+        self.settings = settings
+        self.paths = settings.paths
+        self.images = images
+        self.rootfs = rootfs
+        self.network = network
+        self.artifacts = artifacts
+        self.runtime = runtime
+        self.runtimes: dict[str, Runtime] = {runtime.name: runtime, **{r.name: r for r in extra_runtimes}}
+        # sandbox id -> the runtime running it (every sandbox brought up, incl. template-build and
+        # warm-image ones that have no record); a sandbox keeps its runtime for life.
+        self.runtime_of: dict[str, str] = {}
+        self.slots: dict[str, NetSlot] = {}
+        self.host_token = self._load_host_token()
+        self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
+        # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
+        self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
+
+    def _load_host_token(self) -> str:
+        """A per-data-dir secret envd accepts for re-/init; kept on disk so restores after a restart work."""
+        p = self.paths.root / "host-token"
+        try:
+            return p.read_text().strip()
+        except FileNotFoundError:
+            self.paths.root.mkdir(parents=True, exist_ok=True)
+            tok = secrets.token_hex(24)
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(tok + "\n")
+            return tok
+
+    # ------------------------------------------------------------------ runtimes
+
+    def runtime_named(self, name: str | None) -> Runtime:
+        """The runtime `name` (None: the default); a clear error when this node does not serve it."""
+        rt = self.runtimes.get(name or self.runtime.name)
+        if rt is None:
+            raise RuntimeFailure(f"this node does not serve the {name} runtime (it serves {', '.join(self.runtimes)}); "
+                                 "see AGENTENV_RUNTIME / AGENTENV_EXTRA_RUNTIMES")
+        return rt
+
+    def runtime_for(self, sandbox_id: str, recorded: str | None = None) -> Runtime:
+        """The runtime running (or that ran) `sandbox_id`: the one it was brought up with, else `recorded`
+        (its record's)."""
+        return self.runtime_named(self.runtime_of.get(sandbox_id) or recorded)
+
+    async def close(self) -> None:
+        for rt in self.runtimes.values():
+            await rt.close()   # e.g. Firecracker: API clients, its VM store mount
+
+    # ------------------------------------------------------------------ memory images in use
+
+    def pin(self, digest: str) -> None:
+        self._pinned_memory[digest] = self._pinned_memory.get(digest, 0) + 1
+
+    def unpin(self, digest: str) -> None:
+        n = self._pinned_memory.get(digest, 0) - 1
+        if n <= 0:
+            self._pinned_memory.pop(digest, None)
+        else:
+            self._pinned_memory[digest] = n
+
+    def pinned(self) -> set[str]:
+        return set(self._pinned_memory)
+
+    async def pin_memory(self, digest: str) -> Path:
+        """The memory image `digest` (pulled if this node lacks it), kept from GC until `unpin`."""
+        self.pin(digest)
+        try:
+            return await self.artifacts.ensure_memory(digest)
+        except BaseException:
+            self.unpin(digest)
+            raise
+
+    # ------------------------------------------------------------------ spec
+
+    def sandbox_dir(self, sandbox_id: str) -> Path:
+        return self.paths.sandbox_dir(sandbox_id)
+
+    def checkpoint_dir(self, sandbox_id: str) -> Path:
+        """Where a paused sandbox keeps its memory image."""
+        return self.sandbox_dir(sandbox_id) / "checkpoint"
+
+    def lowers(self, rec: SandboxRecord) -> list[Path]:
+        return [self.artifacts.layer_dir(d) for d in rec.layers] + [self.images.image_rootfs(rec.image)]
+
+    def sandbox_env(self, rec: SandboxRecord) -> dict[str, str]:
+        env = {"E2B_SANDBOX": "true", "E2B_SANDBOX_ID": rec.sandbox_id, "E2B_TEMPLATE_ID": rec.template_id}
+        env.update(rec.env_vars)
+        return env
+
+    def spec(self, rec: SandboxRecord, rootfs: Path, slot: NetSlot, tools: Path) -> SandboxSpec:
+        env = dict(self.images.envd_env())
+        env["AGENTENV_ENVD_HOST_TOKEN"] = self.host_token
+        env["AGENTENV_ENVD_MAX_UPLOAD"] = str(self.settings.max_upload_bytes)
+        if self.settings.memory_headroom_mb > 0:
+            env["AGENTENV_ENVD_MEMORY_LIMIT_MB"] = str(rec.memory_mb)  # envd's OOM guard (envd/oom.py)
+        return SandboxSpec(
+            sandbox_id=rec.sandbox_id, rootfs=rootfs, tools_dir=tools, slot=slot,
+            bundle_dir=self.sandbox_dir(rec.sandbox_id) / "bundle",
+            cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
+            args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self.lowers(rec),
+            nofile=self.settings.sandbox_nofile, memory_headroom_mb=self.settings.memory_headroom_mb,
+            boot_id_file=self.sandbox_dir(rec.sandbox_id) / BOOT_ID_FILE)
+
+    def write_boot_id(self, sandbox_id: str, image: Path | None) -> None:
+        """Write the sandbox's /proc/sys/kernel/random/boot_id (bind-mounted from its sandbox dir).
+
+        gVisor fixes its own boot_id when its kernel boots and keeps it in a checkpoint, so every
+        sandbox warm-started from one template image would share it. A boot, and a create from a
+        template (its warm or built image is ours, not the user's), is a new boot; a restore of
+        `image` continues the boot the image recorded (`checkpoint` copies the file in): a full
+        pause/resume (also on another node), a capture's source, fork children and sandboxes created
+        from a memory snapshot. An image without one (taken before the mount existed) restores its
+        own mount table, so the file it gets here is unused.
+        """
+        boot = None
+        if image is not None:
+            try:
+                boot = str(uuid.UUID((image / BOOT_ID_FILE).read_text().strip()))
+            except (OSError, ValueError):
+                boot = None
+        path = self.sandbox_dir(sandbox_id) / BOOT_ID_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(f"{boot or uuid.uuid4()}\n")
+        os.replace(tmp, path)
+
+    async def attach_vm_boot(self, spec: SandboxSpec) -> None:
+        """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""
+        rt = self.runtime_for(spec.sandbox_id)
+        if rt.traits.boots_from_spec and runtime_select.VM_GUEST_IMAGES is not None:
+            spec.vm = await runtime_select.VM_GUEST_IMAGES(self.paths.images, spec)
+
+    # ------------------------------------------------------------------ bring-up
+
+    async def prepare(self, rec: SandboxRecord, slot: NetSlot | None = None) -> tuple[Path, NetSlot]:
+        """The sandbox's layers present, its rootfs mounted and a network slot (in parallel; `slot`:
+        keep that one, a capture's source restored in place)."""
+        for digest in rec.layers:
+            await self.artifacts.ensure_layer(digest)
+        if slot is None:
+            policy = policy_of(rec)
+            rootfs, slot = await asyncio.gather(
+                self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb),
+                self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress, policy=policy))
+        else:
+            rootfs = await self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb)
+        self.slots[rec.sandbox_id] = slot
+        return rootfs, slot
+
+    async def launch(self, rec: SandboxRecord, rootfs: Path, slot: NetSlot, tools: Path, *,
+                     restore_from: Path | None, new_boot: bool) -> None:
+        """Start (or restore) the sandbox on a prepared rootfs + slot and wait until envd answers.
+
+        A start, or `new_boot`, is a new boot_id; a restore continues its image's (`write_boot_id`)."""
+        rt = self.runtime_named(rec.runtime)
+        self.runtime_of[rec.sandbox_id] = rt.name
+        spec = self.spec(rec, rootfs, slot, tools)
+        spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+        self.write_boot_id(rec.sandbox_id, None if new_boot else restore_from)
+        await self.attach_vm_boot(spec)
+        if restore_from is None:
+            with span("runtime.start", rec.sandbox_id):
+                await rt.start(spec)
+        else:
+            with span("runtime.restore", rec.sandbox_id):
+                await rt.restore(spec, restore_from)
+        with span("network.activate", rec.sandbox_id):
+            await self.network.activate(slot)
+        with span("envd.wait_healthy", rec.sandbox_id):
+            await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
+                                           timeout=rt.traits.envd_timeout_s)
+
+    async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None) -> None:
+        """`/init`: this sandbox's access token, environment and default user (a restore: re-init)."""
+        with span("envd.init", rec.sandbox_id):
+            await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
+                                   host_token=self.host_token, current_token=restore_token,
+                                   default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
+
+    async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
+                       slot: NetSlot | None = None, new_boot: bool = False) -> None:
+        """Mount the rootfs, take a network slot, start or restore, wait for envd, (re)init it."""
+        tools = await self.images.ensure_tools()
+        with span("host.prepare", rec.sandbox_id):
+            rootfs, slot = await self.prepare(rec, slot)
+        await self.launch(rec, rootfs, slot, tools, restore_from=restore_from, new_boot=new_boot)
+        await self.init_envd(rec, slot, restore_token)
+
+    # ------------------------------------------------------------------ drain, capture
+
+    async def quiesce(self, sandbox_id: str) -> None:
+        """Close every host-side connection into the sandbox (the proxy's pool, streams).
+
+        Before a checkpoint the runtime resets what the sandbox still holds (`checkpoint`).
+        """
+        with span("host.quiesce", sandbox_id):
+            for cb in self.on_before_stop:
+                try:
+                    await cb(sandbox_id)
+                except Exception:  # noqa: BLE001
+                    log.exception("before-stop hook failed for %s", sandbox_id)
+
+    async def holds_connections(self, sandbox_id: str) -> bool:
+        """Whether programs in the sandbox hold TCP connections (envd's view of its /proc/net/tcp).
+
+        gVisor resets them at a checkpoint (`--net-disconnect-ok`); the runtime resets them first,
+        while the sandbox runs, so event-loop servers see the reset as an ordinary one. Any doubt
+        (envd unreachable) counts as yes: that costs one extra checkpoint, never the sandbox.
+        """
+        slot = self.slots.get(sandbox_id)
+        if slot is None:
+            return False
+        try:
+            conns = await envd_client.blocking_connections(slot.host_ip, host_token=self.host_token)
+        except Exception as e:  # noqa: BLE001
+            log.warning("envd connection check of %s failed: %s", sandbox_id, e)
+            return True
+        return any(c["state"] != "TIME_WAIT" for c in conns)
+
+    async def checkpoint(self, rec: SandboxRecord, image_dir: Path) -> None:
+        """Checkpoint a running sandbox into `image_dir` and stop it.
+
+        If the runtime cannot take the image and the sandbox still runs, raise Unavailable (503)
+        with the reason: nothing happened. Any other error means the sandbox died on the way (the
+        caller decides what that costs: `lose` for a user's sandbox).
+        """
+        sid = rec.sandbox_id
+        rt = self.runtime_for(sid, rec.runtime)
+        await self.quiesce(sid)
+        kwargs = {}
+        if rt.traits.resets_connections:  # gVisor >= 20240729 (VMs save TCP state with the guest kernel)
+            with span("envd.connections", sid):
+                kwargs["reset_connections"] = await self.holds_connections(sid)
+        try:
+            with span("runtime.checkpoint", sid):
+                await rt.checkpoint(sid, image_dir, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(image_dir, ignore_errors=True)
+            if isinstance(e, CaptureRefused) or await rt.is_alive(sid):
+                msg = e.message if isinstance(e, AgentEnvError) else str(e)
+                log.warning("checkpoint of %s refused, sandbox untouched: %s", sid, msg)
+                raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
+                                  headers={"Retry-After": "5"}) from e
+            raise
+        boot_id = self.sandbox_dir(sid) / BOOT_ID_FILE
+        try:  # the boot this image continues (`write_boot_id`); without it a restore is a new boot_id
+            if boot_id.is_file():
+                shutil.copyfile(boot_id, image_dir / BOOT_ID_FILE)
+        except OSError as e:
+            log.warning("could not record the boot_id of %s in its image: %s", sid, e)
+
+    async def seal(self, sandbox_id: str, image: Path | None, *, keep_disk: bool = False,
+                   on_layer: Callable[[str | None], Awaitable[None]] | None = None) -> Sealed:
+        """The one checkpoint → unmount → seal sequence's second half, for a stopped sandbox: unmount
+        its rootfs (`keep_disk`: the upper stays readable for a restore in place), seal the upper into
+        a content-addressed layer, then the memory image `image` (if any) into an artifact.
+        `on_layer` runs between the two (a capture records the new layer before the slow part)."""
+        with span("rootfs.unmount", sandbox_id):
+            await self.rootfs.unmount(sandbox_id, keep_disk=keep_disk)
+        with span("seal.upper", sandbox_id):
+            layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sandbox_id))
+        if on_layer is not None:
+            await on_layer(layer)
+        mem = None
+        if image is not None:
+            with span("seal.memory", sandbox_id):
+                mem = await self.artifacts.seal_memory(image)
+        return Sealed(layer, mem)
+
+    async def capture(self, rec: SandboxRecord, image_dir: Path) -> Sealed:
+        """Checkpoint + seal a sandbox nobody else uses (warm image, template build): its image is kept
+        as artifacts; the caller tears the sandbox down."""
+        await self.checkpoint(rec, image_dir)
+        return await self.seal(rec.sandbox_id, image_dir)
+
+    # ------------------------------------------------------------------ teardown
+
+    async def teardown(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
+        """Release everything a sandbox holds; each step idempotent and independent of the others."""
+        await self.quiesce(sandbox_id)
+        try:
+            with span("runtime.stop", sandbox_id):
+                await self.runtime_for(sandbox_id, recorded_runtime).stop(sandbox_id)
+        except Exception:  # noqa: BLE001 - teardown must go on
+            log.exception("runtime stop failed for %s", sandbox_id)
+        self.runtime_of.pop(sandbox_id, None)
+        await self.release_slot(sandbox_id)
+        try:
+            with span("rootfs.release", sandbox_id):
+                await self.rootfs.release(sandbox_id)
+        except Exception:  # noqa: BLE001
+            log.exception("rootfs release failed for %s", sandbox_id)
+
+    async def stop(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
+        """Stop the sandbox's runtime (raises on failure)."""
+        await self.runtime_for(sandbox_id, recorded_runtime).stop(sandbox_id)
+
+    async def stop_quietly(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
+        try:
+            await self.stop(sandbox_id, recorded_runtime)
+        except Exception:  # noqa: BLE001
+            log.exception("stop of %s failed", sandbox_id)
+
+    async def release_slot(self, sandbox_id: str) -> None:
+        slot = self.slots.pop(sandbox_id, None) or self.network.slot_for(sandbox_id)
+        if slot is not None:
+            try:
+                with span("network.release", sandbox_id):
+                    await self.network.release(slot)
+            except Exception:  # noqa: BLE001
+                log.exception("network release failed for %s", sandbox_id)
+
+    async def stand_down(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
+        """Undo a bring-up that failed but leave the sandbox's files (its paused state) as they are."""
+        await self.quiesce(sandbox_id)
+        await self.stop(sandbox_id, recorded_runtime)
+        await self.release_slot(sandbox_id)
+        await self.rootfs.unmount(sandbox_id)
+
+    def keep_logs(self, sandbox_id: str, why: str) -> None:
+        """Copy a failed sandbox's runtime log to <data>/logs/ before its dir is removed."""
+        bundle = self.sandbox_dir(sandbox_id) / "bundle"
+        logs = self.paths.root / "logs"
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            for f in bundle.glob("*.log"):
+                shutil.copyfile(f, logs / f"{sandbox_id}-{why}-{f.name}")
+        except OSError:
+            log.exception("could not keep logs of %s", sandbox_id)
+
+    async def gc(self, keep: set[str], known: set[str], recorded: dict[str, str]) -> dict[str, list[str]]:
+        """Remove every container, netns, mount and sandbox dir of this data dir not in `keep`.
+
+        `known`: the ids the state store knows, `recorded`: their runtimes. Only sandboxes this data dir
+        knows are candidates: another server (or a test) on the same host keeps its own sandboxes."""
+        removed: dict[str, list[str]] = {"containers": [], "netns": [], "rootfs": []}
+        known = set(known)
+        if self.paths.sandboxes.exists():
+            known |= {p.name for p in self.paths.sandboxes.iterdir() if p.is_dir()}
+        owner: dict[str, Runtime] = {}
+        for rt in self.runtimes.values():
+            owner.update({sid: rt for sid in await rt.list_ids()})
+        known |= set(owner)
+        for sid in sorted(known - keep):
+            # stop() is idempotent and also removes the sandbox's cgroups (a failed create leaves them).
+            rt = owner.get(sid) or self.runtimes.get(recorded.get(sid) or "") or self.runtime
+            await rt.stop(sid)
+            if sid in owner:
+                removed["containers"].append(sid)
+        await self.network.discover()
+        for sid in sorted(known - keep):
+            slot = self.network.slot_for(sid)
+            if slot is not None:
+                await self.network.release(slot)
+                removed["netns"].append(sid)
+        removed["rootfs"] = list(await self.rootfs.cleanup_orphans(keep))
+        return removed

@@ -1,0 +1,139 @@
+"""Pause and resume: a sandbox's memory (unless filesystem-only) and upper kept on disk, its CPU,
+memory and network slot released; resume brings it back in a fresh slot.
+
+The upper layer and the checkpoint stay in the sandbox dir, so a paused sandbox survives a server
+restart (or kill -9) and resumes with the same processes, PIDs and files. On a cluster node
+(`publish`), a pause also seals its upper + memory image into artifacts and uploads them, so any
+node can resume it; that image is used once and deleted from the store after the resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+
+from agentenv.errors import RuntimeFailure, Unavailable
+from agentenv.models import SandboxRecord, SandboxState, utcnow
+from agentenv.orchestrator.admission import Admission
+from agentenv.orchestrator.host import SandboxHost
+from agentenv.orchestrator.lifecycle import Lifecycle, check
+
+log = logging.getLogger("agentenv.orchestrator")
+
+
+class PauseResume:
+    def __init__(self, host: SandboxHost, lifecycle: Lifecycle, admission: Admission, *, publish: bool,
+                 lose: Callable[[SandboxRecord, Exception], Awaitable[Exception]]) -> None:
+        self.host = host
+        self.lifecycle = lifecycle
+        self.admission = admission
+        self.artifacts = host.artifacts
+        self.publish = publish
+        self._lose = lose
+
+    async def pause(self, sandbox_id: str, team_id: str | None, memory: bool) -> None:
+        """Checkpoint memory (unless filesystem-only) and release CPU, memory and the network slot."""
+        host = self.host
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self.lifecycle.live(sandbox_id, team_id)
+            before, final = self.lifecycle.begin(rec, "pause")
+            ckpt = host.checkpoint_dir(sandbox_id)
+            shutil.rmtree(ckpt, ignore_errors=True)
+            try:
+                if memory:
+                    await host.checkpoint(rec, ckpt)
+                else:
+                    await host.quiesce(sandbox_id)
+                    await host.stop(sandbox_id, rec.runtime)
+            except Unavailable:
+                self.lifecycle.rollback(rec, before)
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise await self._lose(rec, e) from e
+            await host.release_slot(sandbox_id)
+            if self.publish:
+                try:
+                    await self._publish_paused(rec, memory)
+                except Exception as e:  # noqa: BLE001
+                    await self._unpause_after_failed_publish(rec, e)
+            else:
+                await host.rootfs.unmount(sandbox_id)
+            rec.pause_mode = "full" if memory else "filesystem"
+            await self.lifecycle.settle(rec, final)
+        log.info("paused sandbox %s (%s)", sandbox_id, rec.pause_mode)
+
+    async def _publish_paused(self, rec: SandboxRecord, memory: bool) -> None:
+        """Seal the paused sandbox's upper (and checkpoint) into artifacts and upload them."""
+        sealed = await self.host.seal(rec.sandbox_id, self.host.checkpoint_dir(rec.sandbox_id) if memory else None)
+        if sealed.layer:
+            rec.layers = [sealed.layer] + rec.layers
+        if sealed.memory is not None:
+            rec.memory_digest = sealed.memory
+        await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
+
+    async def _unpause_after_failed_publish(self, rec: SandboxRecord, why: Exception) -> None:
+        """Publishing a pause failed (snapshot store down): bring the sandbox back from its local
+        image and answer 503; if even that fails it stays paused with its full state on this node."""
+        sid = rec.sandbox_id
+        log.error("publishing the pause of %s failed (%s); resuming it", sid, why)
+        self.lifecycle.mark(rec, SandboxState.PAUSED)
+        rec.pause_mode = "full"
+        try:
+            # its own remaining time (at least 10 s: an expired autoPause sandbox retries the pause)
+            await self.resume_admitted(rec, max(10, int((rec.end_at - utcnow()).total_seconds())))
+        except Exception as e:  # noqa: BLE001 - `resume_admitted` left it PAUSED with its image
+            await self.lifecycle.persist(rec)
+            raise RuntimeFailure(f"Sandbox {sid} is paused on this node only (its state could not be "
+                                 f"published: {why}; resuming it failed: {e})", error_code="publish_failed") from e
+        raise Unavailable(f"Sandbox {sid} was not paused: the snapshot store is unreachable ({why}); "
+                          "it keeps running", error_code="snapshot_store_unavailable",
+                          headers={"Retry-After": "5"}) from why
+
+    async def drop_paused_memory(self, rec: SandboxRecord) -> None:
+        """A published pause image is used once: after the resume (or kill) it goes from the store."""
+        digest, rec.memory_digest = rec.memory_digest, None
+        if digest:
+            try:
+                await self.artifacts.store.delete_blob("memory", digest)
+            except Exception as e:  # noqa: BLE001 - an orphan blob is only wasted space
+                log.warning("could not delete memory image %s from the store: %s", digest[:12], e)
+
+    async def resume_locked(self, rec: SandboxRecord, timeout: int) -> None:
+        """Resume a paused sandbox (the caller holds its lock), admitted like a start."""
+        check(rec.state, "resume", rec.sandbox_id)
+        async with self.admission.admit(rec.team_id):
+            await self.resume_admitted(rec, timeout)
+
+    async def resume_admitted(self, rec: SandboxRecord, timeout: int) -> None:
+        host = self.host
+        before, final = self.lifecycle.begin(rec, "resume")
+        self.admission.bind()  # the resuming record counts from here on
+        ckpt = host.checkpoint_dir(rec.sandbox_id)
+        full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
+        pinned = rec.memory_digest if rec.pause_mode != "filesystem" else None
+        try:
+            if pinned:  # published pause: pulled from the snapshot store if this node lacks it
+                ckpt, full = await host.pin_memory(pinned), True
+            await host.bring_up(rec, restore_from=ckpt if full else None,
+                                restore_token=rec.envd_access_token if full else None)
+        except Exception as e:  # noqa: BLE001
+            # The paused state on disk is intact: undo what the attempt set up and stay paused.
+            log.error("resume of %s failed: %s", rec.sandbox_id, e)
+            await host.stand_down(rec.sandbox_id, rec.runtime)
+            self.lifecycle.rollback(rec, before)
+            raise RuntimeFailure(f"resume of sandbox {rec.sandbox_id} failed: {e}") from e
+        finally:
+            if pinned:
+                host.unpin(pinned)
+        if pinned:
+            await self.drop_paused_memory(rec)
+        else:
+            shutil.rmtree(ckpt, ignore_errors=True)
+        now = utcnow()
+        rec.pause_mode = None
+        rec.started_at = now
+        rec.end_at = now + timedelta(seconds=timeout)
+        await self.lifecycle.settle(rec, final)
+        log.info("resumed sandbox %s", rec.sandbox_id)

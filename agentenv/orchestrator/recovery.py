@@ -1,0 +1,70 @@
+"""Reconciling with the kernel after a server restart (or `kill -9`).
+
+Running sandboxes survive only if their container is alive and their network slot exists; paused
+ones live on disk and stay resumable; a capture the old process was killed in is recovered from
+its journal (`capture.Capture.recover`); anything half-made is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from agentenv.models import SandboxState
+from agentenv.orchestrator.host import policy_of
+
+if TYPE_CHECKING:
+    from agentenv.orchestrator.service import Orchestrator
+
+log = logging.getLogger("agentenv.orchestrator")
+
+
+async def reconcile(orch: "Orchestrator") -> None:
+    """Re-adopt sandboxes still alive after a server restart; tear down everything else."""
+    host, lifecycle = orch.host, orch.lifecycle
+    keep: set[str] = set()
+    await host.network.discover()
+    for rec in await orch.store.list_sandboxes():
+        if rec.state in (SandboxState.FORKING, SandboxState.SNAPSHOTTING):
+            # a capture the old process did not finish (it records the source's new layers
+            # half-way): the source still runs (frozen at worst), or its capture journal holds it
+            lifecycle.mark(rec, SandboxState.RUNNING)
+        if rec.state == SandboxState.RUNNING and await orch.captures.recover(rec):
+            # its journal: the source was stopped after its image was written; a container
+            # restored from that image may have come up half-way: the image is the truth
+            keep.add(rec.sandbox_id)
+            continue
+        slot = host.network.slot_for(rec.sandbox_id)
+        rt = host.runtimes.get(rec.runtime)
+        if rt is None and rec.state == SandboxState.RUNNING:
+            log.warning("sandbox %s runs under %s, which this node no longer serves", rec.sandbox_id, rec.runtime)
+        alive = rec.state == SandboxState.RUNNING and slot is not None and rt is not None \
+            and await rt.is_alive(rec.sandbox_id)
+        if alive and rt.traits.may_stay_frozen and await rt.state(rec.sandbox_id) == "paused":
+            # frozen by a capture the old process did not finish: the sandbox runs on
+            log.warning("sandbox %s was frozen by an interrupted capture; thawing it", rec.sandbox_id)
+            await rt.resume(rec.sandbox_id)
+        if alive:
+            lifecycle.adopt(rec)
+            host.runtime_of[rec.sandbox_id] = rec.runtime
+            try:
+                # the egress proxy's listener died with the old process; the nft rules did not
+                slot = await host.network.apply_policy(slot, policy_of(rec))
+            except Exception:  # noqa: BLE001 - the slot keeps the rules it had
+                log.exception("could not re-apply the egress policy of %s", rec.sandbox_id)
+            host.slots[rec.sandbox_id] = slot
+            keep.add(rec.sandbox_id)
+            log.info("re-adopted running sandbox %s", rec.sandbox_id)
+        elif rec.state == SandboxState.PAUSED:
+            lifecycle.adopt(rec)
+            keep.add(rec.sandbox_id)
+            log.info("paused sandbox %s is resumable", rec.sandbox_id)
+        else:
+            log.warning("dropping sandbox %s (state %s) that did not survive the restart", rec.sandbox_id,
+                        rec.state.value)
+            await host.teardown(rec.sandbox_id)
+            await orch.store.delete_sandbox(rec.sandbox_id)
+    await orch.gc(keep)
+    for rec in lifecycle.records():
+        if rec.state == SandboxState.PAUSED:
+            await host.rootfs.unmount(rec.sandbox_id)
