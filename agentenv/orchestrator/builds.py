@@ -420,7 +420,7 @@ def _restage(archive: Path, src: str, dest: str, work: Path) -> tuple[Path, list
     import fnmatch
 
     work.mkdir(parents=True, exist_ok=True)
-    src_norm = os.path.normpath(src).lstrip("./") if src not in (".", "./") else ""
+    src_norm = os.path.normpath(src).lstrip("/") if src not in (".", "./") else ""  # ".env" keeps its dot
     out = work / "restaged.tar"
     targets: set[str] = set()
     with tarfile.open(archive, "r:*") as tin:

@@ -22,6 +22,7 @@ ENV APP_HOME=/home/user/app \\
 WORKDIR $APP_HOME
 COPY app/ ./
 COPY --chown=root --chmod=600 secret.bin /opt/data/
+COPY .env /opt/data/
 RUN echo "$GREETING $MODE" > greeting.txt && \\
     python3 main.py > out.txt
 USER root
@@ -38,6 +39,7 @@ def built(server, tmp_path_factory) -> dict:
     (ctx / "app" / "main.py").write_text("print('hello from main')\n")
     secret = os.urandom(5000)
     (ctx / "secret.bin").write_bytes(secret)
+    (ctx / ".env").write_text("DOTFILE=kept\n")  # a dotfile source keeps its leading dot
     (ctx / "Dockerfile").write_text(DOCKERFILE)
     name = f"cli-build-{os.getpid()}"
     p = run_cli(server, "template", "build", str(ctx), "--name", name, "--json", "--ready-cmd",
@@ -50,16 +52,17 @@ def built(server, tmp_path_factory) -> dict:
 def test_build_from_a_dockerfile_then_a_sandbox_from_it(server, sandboxes, built):
     assert built["status"]["status"] == "ready", built["log"]
     assert "EXPOSE has no effect" in built["log"]  # ignored instructions are named
-    assert "[8/8] RUN touch /opt/marker" in built["log"]  # the server's build log streams to stderr
+    assert "[9/9] RUN touch /opt/marker" in built["log"]  # the server's build log streams to stderr
     sid = sandboxes.create("--template", built["name"])
     check = ("cd /home/user/app && cat greeting.txt out.txt && stat -c '%U %a' /opt/data/secret.bin "
-             "&& sha256sum /opt/data/secret.bin && cat /opt/built-as")
+             "&& sha256sum /opt/data/secret.bin && cat /opt/built-as /opt/data/.env")
     out = run_cli(server, "sandbox", "exec", "-u", "root", sid, "--", check).stdout.decode().splitlines()
     assert out[0] == "hello built by cli"              # ARG and ENV reach RUN
     assert out[1] == "hello from main"                 # COPY of a directory's contents + WORKDIR
     assert out[2] == "root 600"                        # --chown / --chmod
     assert out[3].split()[0] == hashlib.sha256(built["secret"]).hexdigest()
     assert out[4] == "root"                            # USER root for the later RUN
+    assert out[5] == "DOTFILE=kept"                    # COPY .env
     # CMD is the start command, running in the template's snapshot: the server answers at once
     r = requests.get(f"{server.sandbox_url}/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8000"},
                      timeout=30)
