@@ -82,11 +82,17 @@ def test_exec_timeout_kills_the_command_with_124(server, sid):
     assert time.monotonic() - t0 < 30
 
 
+def _sigint_as_in_a_terminal() -> None:
+    # A background job (CI runs the suite without a terminal) inherits SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler; a Ctrl-C in a terminal reaches a default handler.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_kills_the_remote_command_and_exits_130(server, sid):
     proc = subprocess.Popen([agentenv_executable(), "sandbox", "exec", sid, "--",
                              "echo started; exec sleep 1234"],
                             env=server.sdk_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL)
+                            stdin=subprocess.DEVNULL, preexec_fn=_sigint_as_in_a_terminal)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 30)
         assert ready and proc.stdout.readline() == b"started\n"

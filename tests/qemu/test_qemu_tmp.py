@@ -28,7 +28,9 @@ def assert_tmp_on_disk(sbx: Sandbox) -> None:
 
 @pytest.mark.timeout(1500)
 def test_tmp_is_the_root_drive_and_survives_pause_resume(qemu_server):
-    sbx = Sandbox.create(timeout=1800, request_timeout=REQ, **qemu_server.sdk_opts())
+    # test_qemu_e2e's last test replaces the session's server (kill -9, then a successor on its data dir)
+    srv = qemu_server.successor or qemu_server
+    sbx = Sandbox.create(timeout=1800, request_timeout=REQ, **srv.sdk_opts())
     ids = [sbx]
     try:
         assert sh(sbx, "uname -r").startswith("6.1."), "not the guest kernel"
@@ -41,7 +43,7 @@ def test_tmp_is_the_root_drive_and_survives_pause_resume(qemu_server):
 
         t0 = time.monotonic()
         assert sbx.pause(request_timeout=REQ) is True
-        sbx = Sandbox.connect(sbx.sandbox_id, timeout=1800, request_timeout=REQ, **qemu_server.sdk_opts())
+        sbx = Sandbox.connect(sbx.sandbox_id, timeout=1800, request_timeout=REQ, **srv.sdk_opts())
         print(f"pause + resume: {time.monotonic() - t0:.1f}s")
         assert sbx.files.read("/tmp/vm/a.txt", request_timeout=REQ) == "in tmp"
 

@@ -43,7 +43,10 @@ def test_api_fuzz_no_5xx(case, server, fuzz_key):
     headers = {**(case.headers or {}), "X-API-KEY": fuzz_key}
     resp = case.call(base_url=server.api_url, headers=headers, timeout=60)
     STATUSES[resp.status_code] += 1
-    assert resp.status_code < 500, f"{case.method} {case.formatted_path} -> {resp.status_code}: {resp.text[:500]}"
+    # the one 5xx allowed: 501 for a feature this deployment does not offer (volumes, secrets), typed
+    declined = resp.status_code == 501 and resp.json().get("error_code") == "not_supported"
+    assert resp.status_code < 500 or declined, \
+        f"{case.method} {case.formatted_path} -> {resp.status_code}: {resp.text[:500]}"
     if resp.status_code >= 400:
         body = resp.json()
         assert body["code"] == resp.status_code and isinstance(body["message"], str) and body["message"]
