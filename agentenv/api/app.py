@@ -28,21 +28,19 @@ from pydantic import BaseModel, ValidationError
 
 from agentenv.api import sandbox_list, schemas
 from agentenv.api.auth import ApiKeyAuth
+from agentenv.api.compat import (IdempotentCreates, compat_routes, refuse_memoryless_resume,
+                                 refuse_unsupported_create, template_service)
 from agentenv.api.sandbox_list import parse_metadata_filter
-from agentenv.api.compat import (IdempotentCreates, compat_routes, template_service, refuse_memoryless_resume,
-                                 refuse_unsupported_create)
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
-from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord
-from agentenv.observability.logs import REQUEST_ID
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord, rfc3339
+from agentenv.observability.logs import REQUEST_ID
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 M = TypeVar("M", bound=BaseModel)
 
-PAGE_LIMIT_MAX = 100
 CORS_HEADERS = {
     "Access-Control-Allow-Origin": "*",
     "Access-Control-Expose-Headers": "X-Next-Token, X-Total-Running, X-Request-Id",
@@ -177,16 +175,6 @@ def _page(recs: list, key, cursor: tuple[datetime, str] | None, limit: int, *, d
     if len(recs) > limit:
         resp.headers["X-Next-Token"] = _encode_cursor(*key(page[-1]))
     return resp
-
-
-def _parse_limit(q: Any) -> int:
-    try:
-        limit = int(q.get("limit", PAGE_LIMIT_MAX))
-    except ValueError:
-        limit = 0
-    if not 1 <= limit <= PAGE_LIMIT_MAX:
-        raise BadRequest(f"Invalid limit {q.get('limit')!r}: expected an integer from 1 to {PAGE_LIMIT_MAX}")
-    return limit
 
 
 # --- handlers -------------------------------------------------------------------------------------
@@ -434,7 +422,7 @@ class _Handlers:
 
     async def list_snapshots(self, request: web.Request) -> web.Response:
         q = request.query
-        limit = _parse_limit(q)
+        limit = sandbox_list.parse_limit(q)
         cursor = decode_page_token(q["nextToken"]) if q.get("nextToken") else None
         recs = await self.orch.list_snapshots(team_id=request[_TEAM], sandbox_id=q.get("sandboxID") or None,
                                               name=q.get("name") or None)

@@ -350,7 +350,6 @@ async def run_gateway(settings: Settings) -> None:
     from agentenv.api.auth import ApiKeyAuth
     from agentenv.cluster._run import run_app, start_role
     from agentenv.proxy import LISTENER_OPTIONS
-    from agentenv.proxy.traffic import TrafficProxy
     from agentenv.server import _print_banner
 
     store = start_role(settings, "gateway")

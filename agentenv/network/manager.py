@@ -30,7 +30,6 @@ import concurrent.futures
 import errno
 import logging
 import os
-import re
 import subprocess
 import time
 from pathlib import Path

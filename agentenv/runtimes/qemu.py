@@ -232,7 +232,7 @@ class QemuRuntime:
             "-kernel", meta["kernel"], "-initrd", meta["initrd"], "-append", cmdline,
             "-nodefaults", "-no-user-config", "-display", "none", "-serial", f"file:{b / CONSOLE_LOG}",
             "-blockdev", f"driver=file,node-name=base,filename={meta['root_disk']},read-only=on",
-            "-blockdev", f"driver=raw,node-name=baseraw,file=base,read-only=on",
+            "-blockdev", "driver=raw,node-name=baseraw,file=base,read-only=on",
             "-blockdev", f"driver=file,node-name=top,filename={b / DISK_FILE},discard=unmap",
             "-blockdev", "driver=qcow2,node-name=root,file=top,backing=baseraw,discard=unmap",
             "-device", f"virtio-blk-{dev},drive=root",

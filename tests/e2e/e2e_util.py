@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import secrets
+import shutil
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from e2b import AsyncSandbox, Sandbox
@@ -60,3 +63,23 @@ class SandboxFactory:
     def cleanup(self) -> None:
         for sbx in self.created:
             kill_quietly(sbx)
+
+
+JS_DIR = Path(__file__).resolve().parent.parent / "js"
+
+
+def run_node_tests(server, test_file: str, passes: int, timeout: float = 800) -> str:
+    """Run `node --test tests/js/<test_file>` against the test server; all `passes` tests must pass.
+
+    Counting the passes guards against an empty or renamed test file. Returns node's stdout.
+    """
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node is not installed (run scripts/setup.sh --test)")
+    if not (JS_DIR / "node_modules" / "e2b" / "package.json").exists():
+        pytest.fail(f"{JS_DIR}/node_modules is missing (run scripts/setup.sh --test)")
+    proc = subprocess.run([node, "--test", test_file], cwd=JS_DIR, env=server.sdk_env(), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"node --test {test_file}: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert f"# pass {passes}" in proc.stdout and "# fail 0" in proc.stdout, proc.stdout
+    return proc.stdout

@@ -14,18 +14,14 @@ through the Python SDK (sync: polled watcher; async: streamed watch) and the JS 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from e2b import AsyncSandbox, FileType, FilesystemEventType, Sandbox
 from e2b.exceptions import SandboxException
 
-from e2e_util import new_tag
+from e2e_util import new_tag, run_node_tests
 
-JS_DIR = Path(__file__).resolve().parent.parent / "js"
 E = FilesystemEventType
 
 
@@ -175,14 +171,5 @@ def test_write_into_missing_dirs_outside_home(sbx: Sandbox):
 
 
 def test_js_sdk_fs_parity(server):
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed (run scripts/setup.sh --test)")
-    if not (JS_DIR / "node_modules" / "e2b" / "package.json").exists():
-        pytest.fail(f"{JS_DIR}/node_modules is missing (run scripts/setup.sh --test)")
-    proc = subprocess.run(
-        [node, "--test", "fs_parity.test.mjs"], cwd=JS_DIR, env=server.sdk_env(), capture_output=True,
-        text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
-    assert "# pass 3" in proc.stdout and "# fail 0" in proc.stdout, proc.stdout
+    run_node_tests(server, "fs_parity.test.mjs", passes=3, timeout=300)
+

@@ -6,15 +6,12 @@ pause/resume, fork and a filesystem-only pause, and Node.js + npm in the base te
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 from e2b import Sandbox
 from e2b.exceptions import InvalidArgumentException
 
-from e2e_util import SandboxFactory, kill_quietly
+from e2e_util import SandboxFactory, kill_quietly, run_node_tests
 
 HOME = "/home/user"
 UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -222,11 +219,5 @@ def test_node_and_npm_in_the_base_template(sbx):
 
 
 def test_js_sdk_file_metadata_and_boot_id(server):
-    js_dir = Path(__file__).resolve().parents[1] / "js"
-    node = shutil.which("node")
-    if node is None or not (js_dir / "node_modules" / "e2b" / "package.json").exists():
-        pytest.fail("node or tests/js/node_modules is missing (run scripts/setup.sh --test)")
-    proc = subprocess.run([node, "--test", "guest_os.test.mjs"], cwd=js_dir, env=server.sdk_env(),
-                          capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"node --test: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    assert "# pass 2" in proc.stdout and "# fail 0" in proc.stdout, proc.stdout
+    run_node_tests(server, "guest_os.test.mjs", passes=2)
+

@@ -10,19 +10,15 @@ through pause/resume (memory and filesystem-only), fork, both kinds of snapshot,
 from __future__ import annotations
 
 import secrets
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 from e2b import Sandbox
 from e2b.exceptions import ServiceBusyException
 
-from e2e_util import SandboxFactory, kill_quietly, wait_until
+from e2e_util import SandboxFactory, kill_quietly, run_node_tests, wait_until
 
 pytestmark = pytest.mark.timeout(900)
 
-JS_DIR = Path(__file__).resolve().parent.parent / "js"
 HOME = "/home/user"
 # The mount point of /tmp's filesystem and whether it is the root's: a line of mountinfo names /tmp
 # only when something (a tmpfs) is mounted there.
@@ -176,12 +172,5 @@ def test_pause_refused_while_a_deleted_file_in_tmp_is_open(fresh: Sandbox):
 
 
 def test_js_sdk_sees_tmp_on_disk(server):
-    node = shutil.which("node")
-    if node is None:
-        pytest.fail("node is not installed (run scripts/setup.sh --test)")
-    if not (JS_DIR / "node_modules" / "e2b" / "package.json").exists():
-        pytest.fail(f"{JS_DIR}/node_modules is missing (run scripts/setup.sh --test)")
-    proc = subprocess.run([node, "--test", "tmp_dir.test.mjs"], cwd=JS_DIR, env=server.sdk_env(),
-                          capture_output=True, text=True, timeout=800, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, f"node --test: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    assert "# pass 3" in proc.stdout and "# fail 0" in proc.stdout, proc.stdout
+    run_node_tests(server, "tmp_dir.test.mjs", passes=3)
+
