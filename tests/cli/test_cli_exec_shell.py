@@ -182,13 +182,19 @@ def test_shell_typing_resize_ctrl_c_and_exit_code(server, sid):
     assert child.exitstatus == 3
 
 
-def test_shell_restores_the_terminal(server, sid, tmp_path):
-    before, after = tmp_path / "before", tmp_path / "after"
+def _shell_between_stty(server, sid, before, after) -> pexpect.spawn:
+    """`agentenv sandbox shell` in a local /bin/sh that records the terminal's settings before and after
+    it into `before` and `after`, and prints the CLI's exit code as `rc=N`."""
     env = server.sdk_env()
     env["TERM"] = "xterm"
     script = (f"stty -g > {before}; {agentenv_executable()} sandbox shell {sid}; echo rc=$?; "
               f"stty -g > {after}")
-    child = pexpect.spawn("/bin/sh", ["-c", script], env=env, dimensions=(24, 80), timeout=60)
+    return pexpect.spawn("/bin/sh", ["-c", script], env=env, dimensions=(24, 80), timeout=60)
+
+
+def test_shell_restores_the_terminal(server, sid, tmp_path):
+    before, after = tmp_path / "before", tmp_path / "after"
+    child = _shell_between_stty(server, sid, before, after)
     try:
         child.expect(r"\$ ")
         child.sendline("exit")
@@ -202,11 +208,7 @@ def test_shell_restores_the_terminal(server, sid, tmp_path):
 
 def test_shell_ended_by_sigterm_kills_the_remote_shell_and_restores_the_terminal(server, sid, tmp_path):
     before, after = tmp_path / "before", tmp_path / "after"
-    env = server.sdk_env()
-    env["TERM"] = "xterm"
-    script = (f"stty -g > {before}; {agentenv_executable()} sandbox shell {sid}; echo rc=$?; "
-              f"stty -g > {after}")
-    child = pexpect.spawn("/bin/sh", ["-c", script], env=env, dimensions=(24, 80), timeout=60)
+    child = _shell_between_stty(server, sid, before, after)
     try:
         child.expect(r"\$ ")
         child.sendline("echo $$ > /tmp/term-shell.pid")
