@@ -1,7 +1,10 @@
-"""State stores: where the control plane keeps sandboxes, templates and API keys.
+"""State stores: where the control plane keeps sandboxes, templates, snapshots, API keys, teams and
+(in a cluster) the node registry.
 
-`StateStore` is the seam; `SQLiteStateStore` is the embedded default. A networked store
-(PostgreSQL) implements the same protocol for clusters.
+`StateStore` (base.py) is the seam. One implementation, `SQLStateStore` (sql.py, SQLAlchemy Core),
+runs on SQLite (sqlite.py: the embedded default in the data dir) and PostgreSQL (postgres.py: a
+cluster's shared store), with one schema (schema.py) and one Alembic migration history
+(migrations/, run by migrate.py). See docs/state.md.
 """
 
 from agentenv.state.base import StateStore
