@@ -14,20 +14,22 @@ import logging
 from functools import cache
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util.exc import CommandError
-from sqlalchemy import Connection, text
-from sqlalchemy.ext.asyncio import AsyncEngine
+# Alembic narrates its plugin set-up (on import) and every context it makes at INFO; we log the
+# upgrades themselves. Set before the imports below.
+for _name in ("alembic.runtime.plugins", "alembic.runtime.migration"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
+
+from alembic import command  # noqa: E402
+from alembic.config import Config  # noqa: E402
+from alembic.runtime.migration import MigrationContext  # noqa: E402
+from alembic.script import ScriptDirectory  # noqa: E402
+from alembic.util.exc import CommandError  # noqa: E402
+from sqlalchemy import Connection, text  # noqa: E402
+from sqlalchemy.ext.asyncio import AsyncEngine  # noqa: E402
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _MIGRATE_LOCK = 0x61676E7400000001  # the advisory lock key the hand-written PostgreSQL store used too
 log = logging.getLogger(__name__)
-# Alembic narrates every context it makes at INFO; we log the upgrades themselves.
-for _name in ("alembic.runtime.plugins", "alembic.runtime.migration"):
-    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 class SchemaTooNew(RuntimeError):
