@@ -25,13 +25,7 @@ async def _status(settings, *, upgrade: bool) -> dict:
     from agentenv.state import migrate, store_for
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    store = store_for(settings)
-    engine = store._make_engine()
-    try:
-        before = await migrate.revision(engine)
-        after = await migrate.upgrade(engine) if upgrade else before
-    finally:
-        await engine.dispose()
+    before, after = await store_for(settings).migrate(upgrade=upgrade)
     return {"database": _where(settings), "before": before, "revision": after, "head": migrate.head(),
             "up_to_date": after == migrate.head()}
 

@@ -7,10 +7,17 @@ cluster's shared store), with one schema (schema.py) and one Alembic migration h
 (migrations/, run by migrate.py). See docs/state.md.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from agentenv.state.base import StateStore
 
+if TYPE_CHECKING:
+    from agentenv.state.sql import SQLStateStore
 
-def store_for(settings) -> StateStore:
+
+def store_for(settings) -> SQLStateStore:
     """The configured store: PostgreSQL when `database_url` is a postgresql:// URL, else SQLite in
     the data dir (not opened yet)."""
     from agentenv.state.postgres import is_postgres_url

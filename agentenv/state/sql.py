@@ -70,6 +70,16 @@ class SQLStateStore:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    async def migrate(self, *, upgrade: bool = True) -> tuple[str | None, str | None]:
+        """(revision before, revision after) of the database, upgrading it unless `upgrade` is
+        False; works whether or not the store is open (`agentenv db status|upgrade`)."""
+        engine = self._make_engine()
+        try:
+            before = await migrate.revision(engine)
+            return before, (await migrate.upgrade(engine) if upgrade else before)
+        finally:
+            await engine.dispose()
+
     async def schema_revision(self) -> str | None:
         """The Alembic revision the database is at (`migrate.head()` once open)."""
         return await migrate.revision(self.engine)
