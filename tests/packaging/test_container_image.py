@@ -74,8 +74,12 @@ def _export_tree(dest: Path) -> Path:
 def _base_image(podman: Podman) -> str:
     """The suite's debootstrap base image as a local image, imported once per content version."""
     base = shared_data_dir() / "images" / "base"
-    tag = "localhost/agentenv-build-base:" + hashlib.sha256((base / "manifest.json").read_bytes()).hexdigest()[:16]
+    repo = "localhost/agentenv-build-base"
+    tag = f"{repo}:" + hashlib.sha256((base / "manifest.json").read_bytes()).hexdigest()[:16]
     if podman("image", "exists", tag, check=False).returncode != 0:
+        old = podman("images", "--format", "{{.Repository}}:{{.Tag}}", repo, check=False).stdout.split()
+        if old:  # imports of earlier base images (~0.5 GB each)
+            podman("rmi", "-f", *old, check=False)
         tar = subprocess.Popen(["tar", "-C", str(base / "rootfs"), "-c", "."], stdout=subprocess.PIPE)
         imp = subprocess.run(podman.argv("import", "-", tag), stdin=tar.stdout, capture_output=True, text=True,
                              timeout=600)
