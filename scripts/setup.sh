@@ -108,7 +108,8 @@ npm_ci_dir() {
 
 if [ "$DEPS_ONLY" -eq 1 ]; then
   # pyproject.toml's runtime dependencies, at constraints.txt's versions; agentenv itself comes later.
-  mapfile -t DEPS < <("$VENV/bin/python" -c 'import tomllib; [print(d) for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]]')
+  mapfile -t DEPS < <("$VENV/bin/python" -c \
+    'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")')
   log "pip install -c constraints.txt (agentenv's ${#DEPS[@]} dependencies)"
   PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q -c constraints.txt "${DEPS[@]}"
   npm_ci_dir "$REPO_ROOT/agentenv/console"
