@@ -1,13 +1,26 @@
 # agentenv server image: one image for every role (serve | node | gateway | scheduler).
 #
-#   docker build -t agentenv:latest .
+#   docker build -t agentenv:latest .        (or podman build; CI: tests/packaging/test_container_image.py)
 #   docker run --privileged -v /var/lib/agentenv:/var/lib/agentenv -p 3000:3000 agentenv:latest serve
 #
 # Roles that run sandboxes (`serve`, `node`) need --privileged (network namespaces, nftables,
 # overlay mounts, gVisor) and a persistent /var/lib/agentenv; gateway and scheduler need neither.
 # The host setup is the same script a bare-metal install uses (scripts/setup.sh), so the image and
 # `deploy/install.sh` cannot drift apart.
-FROM debian:bookworm-slim
+#
+# BASE_IMAGE: any Debian 12 root filesystem; CI builds FROM a local import of the debootstrap base
+# image agentenv already builds (no registry needed; see docs/packaging.md).
+ARG BASE_IMAGE=debian:bookworm-slim
+# hadolint ignore=DL3006
+FROM ${BASE_IMAGE}
+
+# Building behind a TLS-intercepting proxy: hand the RUN steps the host's CA bundle, kept out of the
+# image (a build volume + these two build args, which are environment only while building):
+#   -v /etc/ssl/certs:/run/agentenv-build:ro \
+#   --build-arg PIP_CERT=/run/agentenv-build/ca-certificates.crt \
+#   --build-arg NPM_CONFIG_CAFILE=/run/agentenv-build/ca-certificates.crt
+ARG PIP_CERT
+ARG NPM_CONFIG_CAFILE
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -24,6 +37,16 @@ RUN apt-get update -q \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/agentenv
+# Dependencies first, from only the files that choose them (apt packages, Python dependencies at
+# constraints.txt's versions, the console's npm packages): this layer stays cached while the source
+# changes.
+COPY scripts/setup.sh ./scripts/
+COPY agentenv/hostsetup/host-packages.sh ./agentenv/hostsetup/
+COPY agentenv/console/package.json agentenv/console/package-lock.json ./agentenv/console/
+COPY pyproject.toml constraints.txt ./
+RUN bash scripts/setup.sh --deps-only \
+    && rm -rf /var/lib/apt/lists/* /root/.cache/pip /root/.npm
+# Then agentenv itself (setup.sh finds the packages above installed and only installs the project).
 COPY pyproject.toml setup.py constraints.txt README.md LICENSE ./
 COPY agentenv ./agentenv
 COPY scripts ./scripts

@@ -5,6 +5,10 @@
 #   bash scripts/setup.sh --test   # additionally test extras, Node.js/npm and tests/js (npm ci: the JS
 #                                  # SDK pins and the E2B CLI), .venv-sdk-latest (the newest Python SDK),
 #                                  # and Firecracker (scripts/install-firecracker.sh)
+#   bash scripts/setup.sh --deps-only  # host packages, .venv with agentenv's dependencies (not agentenv)
+#                                  # and the console's npm packages: needs only setup.sh, host-packages.sh,
+#                                  # pyproject.toml, constraints.txt and the console's package*.json (the
+#                                  # Dockerfile's cached dependency layer)
 #
 # Work that is already done is skipped (dpkg checks, a pyproject + constraints hash stamp for pip,
 # a package-lock hash stamp for npm), so a second run takes about a second.
@@ -17,11 +21,13 @@ REPO_ROOT="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/.." && pwd)"
 cd "$REPO_ROOT"
 
 WITH_TEST=0
+DEPS_ONLY=0
 for arg in "$@"; do
   case "$arg" in
     --test) WITH_TEST=1 ;;
+    --deps-only) DEPS_ONLY=1 ;;
     -h|--help)
-      sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+      sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
       exit 0 ;;
     *) echo "setup.sh: unknown argument: $arg" >&2; exit 2 ;;
   esac
@@ -83,6 +89,32 @@ else
   log "creating .venv with $PY ($("$PY" --version 2>&1))"
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+
+# --- npm ci for the web console (always) and its browser test (--test) ---------
+npm_ci_dir() {
+  # npm ci in $1 unless package.json + package-lock.json + node version are unchanged since the last run.
+  local dir="$1" stamp want
+  stamp="$dir/node_modules/.agentenv-setup-stamp"
+  want="$(cat "$dir/package.json" "$dir/package-lock.json" | sha256sum | cut -d' ' -f1) $(node --version)"
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    log "${dir#"$REPO_ROOT"/} node_modules up to date"
+  else
+    log "npm ci in ${dir#"$REPO_ROOT"/}"
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
+    printf '%s\n' "$want" > "$stamp"
+  fi
+}
+
+if [ "$DEPS_ONLY" -eq 1 ]; then
+  # pyproject.toml's runtime dependencies, at constraints.txt's versions; agentenv itself comes later.
+  mapfile -t DEPS < <("$VENV/bin/python" -c \
+    'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"], sep="\n")')
+  log "pip install -c constraints.txt (agentenv's ${#DEPS[@]} dependencies)"
+  PYTHONWARNINGS=ignore "$VENV/bin/python" -m pip install -q -c constraints.txt "${DEPS[@]}"
+  npm_ci_dir "$REPO_ROOT/agentenv/console"
+  log "done (dependencies only)"
+  exit 0
 fi
 
 # --- pip install (skipped when pyproject.toml, constraints.txt and the mode are unchanged) -----
@@ -155,20 +187,6 @@ if [ "$WITH_TEST" -eq 1 ] || [ "${AGENTENV_WITH_FIRECRACKER:-0}" = "1" ]; then
   fi
 fi
 
-# --- npm ci for the web console (always) and its browser test (--test) ---------
-npm_ci_dir() {
-  # npm ci in $1 unless package.json + package-lock.json + node version are unchanged since the last run.
-  local dir="$1" stamp want
-  stamp="$dir/node_modules/.agentenv-setup-stamp"
-  want="$(cat "$dir/package.json" "$dir/package-lock.json" | sha256sum | cut -d' ' -f1) $(node --version)"
-  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
-    log "${dir#"$REPO_ROOT"/} node_modules up to date"
-  else
-    log "npm ci in ${dir#"$REPO_ROOT"/}"
-    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
-    printf '%s\n' "$want" > "$stamp"
-  fi
-}
 npm_ci_dir "$REPO_ROOT/agentenv/console"
 if [ "$WITH_TEST" -eq 1 ]; then
   npm_ci_dir "$REPO_ROOT/tests/console"

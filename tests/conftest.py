@@ -243,3 +243,18 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
         except AssertionError as e:
             failures.append(str(e))
         assert not failures, "\n\n".join(failures)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One real PostgreSQL server for the session's state-store tests (started on first use; each
+    test takes a fresh database from it with `create_database()`)."""
+    from pgserver import pg_bindir, start_postgres
+
+    if pg_bindir() is None:
+        pytest.skip("PostgreSQL server not installed (apt-get install postgresql; scripts/setup.sh --test does it)")
+    srv = start_postgres()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -125,6 +125,9 @@ agentenv_host_packages() {
     SYSTEM_PKGS+=(musl-tools busybox-static file)
     # gcc + libc6-dev: C test programs (the Firecracker test guest, musl-gcc's driver, benchmarks/).
     SYSTEM_PKGS+=(gcc libc6-dev)
+    # podman + runc: tests/packaging builds the server image from the Dockerfile and runs it (runc:
+    # Debian 12's crun refuses hosts with cgroup v1 + v2 controllers, "hybrid mode").
+    SYSTEM_PKGS+=(podman runc)
   fi
   apt_install "${SYSTEM_PKGS[@]}"
   [ "$CHECK_ONLY" -eq 0 ] || return 0

@@ -1,13 +1,23 @@
-"""State stores: where the control plane keeps sandboxes, templates and API keys.
+"""State stores: where the control plane keeps sandboxes, templates, snapshots, API keys, teams and
+(in a cluster) the node registry.
 
-`StateStore` is the seam; `SQLiteStateStore` is the embedded default. A networked store
-(PostgreSQL) implements the same protocol for clusters.
+`StateStore` (base.py) is the seam. One implementation, `SQLStateStore` (sql.py, SQLAlchemy Core),
+runs on SQLite (sqlite.py: the embedded default in the data dir) and PostgreSQL (postgres.py: a
+cluster's shared store), with one schema (schema.py) and one Alembic migration history
+(migrations/, run by migrate.py). See docs/state.md.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from agentenv.state.base import StateStore
 
+if TYPE_CHECKING:
+    from agentenv.state.sql import SQLStateStore
 
-def store_for(settings) -> StateStore:
+
+def store_for(settings) -> SQLStateStore:
     """The configured store: PostgreSQL when `database_url` is a postgresql:// URL, else SQLite in
     the data dir (not opened yet)."""
     from agentenv.state.postgres import is_postgres_url

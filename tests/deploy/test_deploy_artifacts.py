@@ -1,8 +1,8 @@
 """Deployment artefacts (deploy/, Dockerfile) checked offline: linted, validated against their
 schemas, and cross-checked against the code they deploy (CLI roles, settings names).
 
-There is no Docker engine or Kubernetes cluster on our machines, so nothing here starts a container;
-what can be proven without one is proven: Dockerfile lint (hadolint), Compose file against the
+Nothing here starts a container (tests/packaging/test_container_image.py builds and runs the image
+with podman; there is no Kubernetes cluster on our machines); what can be proven offline is proven: Dockerfile lint (hadolint), Compose file against the
 Compose specification, kustomize build + Kubernetes schema validation, shellcheck, the systemd
 units through `systemd-analyze verify`, and `deploy/install.sh` run into a scratch root.
 """

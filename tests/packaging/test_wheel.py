@@ -112,6 +112,15 @@ def test_wheel_doctor_json_reports_this_host(installed: Installed):
     assert not failed, failed   # this CI host is set up
 
 
+def test_wheel_migrates_a_state_database(installed: Installed, tmp_path):
+    """The Alembic history ships in the wheel: `db upgrade` creates the schema, `db status` agrees."""
+    env = {k: v for k, v in os.environ.items() if k != "AGENTENV_DATABASE_URL"}
+    up = json.loads(installed.run("db", "upgrade", "--data-dir", str(tmp_path), "--json", base_env=env).stdout)
+    assert up["before"] is None and up["revision"] == up["head"] and up["head"]
+    st = json.loads(installed.run("db", "status", "--data-dir", str(tmp_path), "--json", base_env=env).stdout)
+    assert st["up_to_date"] is True and (tmp_path / "state.db").exists()
+
+
 def test_wheel_serves_the_console_libraries_without_node_modules(installed: Installed):
     probe = (
         "import asyncio, hashlib, json, sys\n"

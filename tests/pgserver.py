@@ -36,6 +36,19 @@ class PgServer:
     def url(self, host: str = "127.0.0.1") -> str:
         return f"postgresql://agentenv:{self.password}@{host}:{self.port}/agentenv"
 
+    def create_database(self, name: str | None = None) -> str:
+        """A new, empty database on this server; returns its URL."""
+        name = name or f"t_{secrets.token_hex(6)}"
+        subprocess.run([str(pg_bindir() / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "agentenv",
+                        name], env={**os.environ, "PGPASSWORD": self.password}, check=True, capture_output=True,
+                       timeout=30)
+        return self.url().rsplit("/", 1)[0] + "/" + name
+
+    def drop_database(self, url: str) -> None:
+        subprocess.run([str(pg_bindir() / "dropdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "agentenv",
+                        "--force", url.rsplit("/", 1)[1]], env={**os.environ, "PGPASSWORD": self.password},
+                       check=True, capture_output=True, timeout=30)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # fast shutdown
