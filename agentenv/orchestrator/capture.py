@@ -1,6 +1,9 @@
-"""Capturing a running sandbox for a fork or a snapshot, without ever losing it.
+"""Capturing a running sandbox for a fork, a snapshot or a checkpoint, without ever losing it.
 
-Checkpoint the source once, seal its upper into a new content-addressed layer and its memory into
+Where the runtime can (`RuntimeTraits.captures_running`: gVisor), the source never stops: it is
+frozen for its memory image (`checkpoint --leave-running`) and a copy of its writable upper, thawed,
+and the two are sealed into a memory artifact and a layer while it runs on its own upper. Otherwise:
+checkpoint the source once, seal its upper into a new content-addressed layer and its memory into
 an artifact, then restore the source in place on a fresh upper (same id, same slot). A checkpoint
 the runtime refuses leaves the source running (503). Once the image exists the source is never
 lost: if it cannot be brought back it is parked as a paused sandbox with that image (`park`); a
@@ -17,19 +20,38 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from agentenv.errors import AgentEnvError, RuntimeFailure, Unavailable
 from agentenv.models import SandboxRecord, SandboxState
-from agentenv.orchestrator.host import SandboxHost
+from agentenv.orchestrator.host import SandboxHost, Sealed
 from agentenv.orchestrator.lifecycle import Lifecycle
 
 log = logging.getLogger("agentenv.orchestrator")
 
 
+@dataclass
+class Captured:
+    """A capture: `view` is the source's record as captured (its layers are the capture's chain),
+    `sealed.memory` its memory image; both pinned until `Capture.release`."""
+
+    view: SandboxRecord
+    sealed: Sealed
+    frozen_s: float | None = None  # how long the source was frozen (captures that leave it running)
+    result: Any = None             # what `then` returned
+
+    @property
+    def memory(self) -> str:
+        assert self.sealed.memory is not None
+        return self.sealed.memory
+
+
 class Capture:
     def __init__(self, host: SandboxHost, lifecycle: Lifecycle,
                  lose: Callable[[SandboxRecord, Exception], Awaitable[Exception]]) -> None:
+        self._busy: set[str] = set()
         self.host = host
         self.lifecycle = lifecycle
         self.artifacts = host.artifacts
@@ -45,22 +67,115 @@ class Capture:
         tmp.write_text(json.dumps({"layers": rec.layers, **state}))
         os.replace(tmp, path)
 
-    async def locked(self, sandbox_id: str, team_id: str | None, op: str) -> tuple[SandboxRecord, str]:
+    def busy(self, sandbox_id: str) -> bool:
+        """A capture of the sandbox is under way (from its checkpoint until its image is sealed)."""
+        return sandbox_id in self._busy
+
+    async def locked(self, sandbox_id: str, team_id: str | None, op: str,
+                     then: Callable[[Captured], Awaitable[Any]] | None = None) -> Captured:
         """Under the sandbox's lock: check `op` is legal, capture, and land in its final state.
 
         A refusal before anything happened (open TCP connections) leaves the sandbox as it was.
-        Returns the record and the pinned memory digest (the caller unpins it).
+        Where the runtime can, the source never stops: it is frozen for the memory image and a copy
+        of its upper, then RUNNING again while the copy and the image are sealed. `then` runs under
+        the lock once the capture is sealed (a checkpoint commits itself there, so its parent is
+        the sandbox's last one). The caller releases the result (`release`).
         """
         async with self.lifecycle.lock(sandbox_id):
             rec = self.lifecycle.live(sandbox_id, team_id)
             before, final = self.lifecycle.begin(rec, op)
+            self._busy.add(sandbox_id)
             try:
-                mem = await self._capture(rec)
-            except Unavailable:  # refused before anything happened
-                self.lifecycle.rollback(rec, before)
-                raise
-            await self.lifecycle.settle(rec, final)
-            return rec, mem
+                if self.host.captures_running(rec):
+                    got = await self._capture_running(rec, before, final)
+                else:
+                    got = await self._capture_stopping(rec, before, final)
+                if then is not None:
+                    try:
+                        got.result = await then(got)
+                    except BaseException:
+                        self.release(got)
+                        raise
+                return got
+            finally:
+                self._busy.discard(sandbox_id)
+
+    def release(self, got: "Captured") -> None:
+        """The capture's artifacts are referenced by records or snapshots now (or were not wanted)."""
+        self.host.unpin_sealed(got.sealed)
+
+    async def _capture_stopping(self, rec: SandboxRecord, before: SandboxState, final: SandboxState) -> "Captured":
+        try:
+            mem = await self._capture(rec)
+        except Unavailable:  # refused before anything happened
+            self.lifecycle.rollback(rec, before)
+            raise
+        await self.lifecycle.settle(rec, final)
+        return Captured(replace(rec, layers=list(rec.layers)), Sealed(None, mem))
+
+    async def _capture_running(self, rec: SandboxRecord, before: SandboxState,
+                               final: SandboxState) -> "Captured":
+        """The source keeps running: frozen for its image + upper copy, RUNNING while they are sealed."""
+        host = self.host
+        sid = rec.sandbox_id
+        image, upper_copy = host.sandbox_dir(sid) / "capture", host.sandbox_dir(sid) / "capture-upper"
+        for d in (image, upper_copy):
+            shutil.rmtree(d, ignore_errors=True)
+        t0 = time.monotonic()
+        try:
+            await host.checkpoint_running(rec, image, upper_copy)
+        except Unavailable:
+            self.lifecycle.rollback(rec, before)
+            raise
+        except Exception as e:  # noqa: BLE001 - frozen and not thawed, or dead
+            return await self._restart_after_failed_thaw(rec, image, upper_copy, final, e)
+        frozen = time.monotonic() - t0
+        await self.lifecycle.settle(rec, final)  # usable again: traffic no longer waits
+        try:
+            sealed = await host.seal_copy(sid, image, upper_copy)
+        except Exception as e:  # noqa: BLE001 - e.g. the disk is full: the source runs on, untouched
+            log.error("sealing the capture of %s failed: %s", sid, e)
+            raise Unavailable(f"Sandbox {sid} could not be captured: sealing its image failed ({e}); "
+                              "the sandbox keeps running unchanged", error_code="capture_failed",
+                              headers={"Retry-After": "5"}) from e
+        finally:
+            for d in (image, upper_copy):
+                shutil.rmtree(d, ignore_errors=True)
+        log.info("captured %s without stopping it: frozen %.3fs, sealed after %.3fs (layer %s)", sid, frozen,
+                 time.monotonic() - t0, sealed.layer[:12] if sealed.layer else "-")
+        layers = ([sealed.layer] if sealed.layer else []) + list(rec.layers)
+        return Captured(replace(rec, layers=layers), sealed, frozen_s=frozen)
+
+    async def _restart_after_failed_thaw(self, rec: SandboxRecord, image: Path, upper_copy: Path,
+                                         final: SandboxState, why: Exception) -> "Captured":
+        """The image and the upper copy exist but the source could not be thawed (or died): restart it
+        from them in place, the way a stopping capture does; parked paused if even that fails."""
+        host = self.host
+        sid = rec.sandbox_id
+        if not (image.is_dir() and upper_copy.is_dir()):
+            raise await self._lose(rec, why) from why
+        log.error("sandbox %s could not be thawed after its capture (%s); restarting it from the image", sid, why)
+        slot = host.slots[sid]
+        await asyncio.shield(host.stop_quietly(sid, rec.runtime))
+        sealed: Sealed | None = None
+        try:
+            sealed = await host.seal_copy(sid, image, upper_copy)
+            if sealed.layer:
+                rec.layers = [sealed.layer] + rec.layers
+            await self.lifecycle.persist(rec)
+            await host.rootfs.release(sid)  # the old upper: it is the sealed layer now
+            await host.network.deactivate(slot)
+            await host.bring_up(rec, restore_from=self.artifacts.memory_dir(sealed.memory),
+                                restore_token=rec.envd_access_token, slot=slot)
+        except Exception as e:  # noqa: BLE001
+            mem = sealed.memory if sealed else None
+            if sealed is not None:
+                host.unpin_sealed(sealed)
+            raise await self.park(rec, image, mem, e) from e
+        if sealed.layer:
+            host.unpin_layer(sealed.layer)  # in the record now
+        await self.lifecycle.settle(rec, final)
+        return Captured(replace(rec, layers=list(rec.layers)), Sealed(None, sealed.memory))
 
     async def _capture(self, rec: SandboxRecord) -> str:
         """Checkpoint a running sandbox, seal its upper into a layer, restore it in place.

@@ -6,7 +6,9 @@ template builds) brings sandboxes up, captures and tears them down through this 
 - bring-up  = rootfs mount + network slot (in parallel) → spec → start or restore → slot up →
               envd healthy → `/init` (`bring_up`; `prepare` + `launch` + `init_envd` separately)
 - capture   = checkpoint (`checkpoint`) + seal (`seal`: unmount → upper into a layer → memory
-              image into an artifact); `capture` is both, in that order
+              image into an artifact); `capture` is both, in that order. Where the runtime can
+              (`traits.captures_running`), `checkpoint_running` + `seal_copy` instead: frozen for the
+              memory image and a copy of the upper, then thawed: the sandbox keeps running
 - teardown  = close host-side connections → runtime stop → slot release → rootfs release
 - drain     = `quiesce` (the proxy's connections) and the in-sandbox reset before a checkpoint
 
@@ -34,6 +36,7 @@ from agentenv.network.policy import EgressPolicy, parse_policy
 from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.trace import span
+from agentenv.proc import run_cmd
 from agentenv.runtimes import select as runtime_select
 from agentenv.runtimes.base import Runtime, SandboxSpec
 from agentenv.storage.artifacts import ArtifactCache
@@ -52,6 +55,17 @@ class Sealed:
 
     layer: str | None
     memory: str | None
+
+
+async def copy_tree(src: Path, dst: Path) -> None:
+    """`cp -a` (owners, modes, xattrs incl. overlay whiteouts and opaque marks, hard links, holes);
+    a reflink where the file system can (XFS, btrfs)."""
+    shutil.rmtree(dst, ignore_errors=True)
+    try:
+        await run_cmd(["cp", "-a", "--reflink=auto", "--", str(src), str(dst)], timeout=600, what="cp -a upper")
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
 
 
 def policy_of(rec: SandboxRecord) -> EgressPolicy:
@@ -77,6 +91,7 @@ class SandboxHost:
         self.slots: dict[str, NetSlot] = {}
         self.host_token = self._load_host_token()
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
+        self._pinned_layers: dict[str, int] = {}  # layers of captures not committed yet
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
 
@@ -126,6 +141,20 @@ class SandboxHost:
 
     def pinned(self) -> set[str]:
         return set(self._pinned_memory)
+
+    def pin_layer(self, digest: str) -> None:
+        """Keep a layer from GC while no record or snapshot names it yet (a capture being committed)."""
+        self._pinned_layers[digest] = self._pinned_layers.get(digest, 0) + 1
+
+    def unpin_layer(self, digest: str) -> None:
+        n = self._pinned_layers.get(digest, 0) - 1
+        if n <= 0:
+            self._pinned_layers.pop(digest, None)
+        else:
+            self._pinned_layers[digest] = n
+
+    def pinned_layers(self) -> set[str]:
+        return set(self._pinned_layers)
 
     async def pin_memory(self, digest: str) -> Path:
         """The memory image `digest` (pulled if this node lacks it), kept from GC until `unpin`."""
@@ -308,12 +337,76 @@ class SandboxHost:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise
+        self._record_boot_id(sid, image_dir)
+
+    def _record_boot_id(self, sid: str, image_dir: Path) -> None:
         boot_id = self.sandbox_dir(sid) / BOOT_ID_FILE
         try:  # the boot this image continues (`write_boot_id`); without it a restore is a new boot_id
             if boot_id.is_file():
                 shutil.copyfile(boot_id, image_dir / BOOT_ID_FILE)
         except OSError as e:
             log.warning("could not record the boot_id of %s in its image: %s", sid, e)
+
+    def captures_running(self, rec: SandboxRecord) -> bool:
+        """Whether the sandbox's runtime can capture it and leave it running (`checkpoint_running`)."""
+        return self.runtime_for(rec.sandbox_id, rec.runtime).traits.captures_running
+
+    async def checkpoint_running(self, rec: SandboxRecord, image_dir: Path, upper_copy: Path) -> None:
+        """Capture a running sandbox and leave it running: memory into `image_dir` and a copy of its
+        writable upper into `upper_copy`, both taken while it is frozen (one instant), then thawed.
+
+        The sandbox is unavailable only for the freeze. A refusal (Unavailable, 503) leaves it running
+        and nothing in either directory; any other error means the runtime could not thaw it or it died.
+        """
+        sid = rec.sandbox_id
+        rt = self.runtime_for(sid, rec.runtime)
+        upper = self.rootfs.upper_path(sid)
+        await self.quiesce(sid)
+        kwargs = {}
+        if rt.traits.resets_connections:
+            with span("envd.connections", sid):
+                kwargs["reset_connections"] = await self.holds_connections(sid)
+
+        async def copy_upper() -> None:
+            with span("capture.copy_upper", sid):
+                await copy_tree(upper, upper_copy)
+
+        try:
+            with span("runtime.checkpoint_running", sid):
+                await rt.checkpoint_running(sid, image_dir, while_frozen=copy_upper, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, CaptureRefused) or await rt.state(sid) == "running":
+                shutil.rmtree(image_dir, ignore_errors=True)
+                shutil.rmtree(upper_copy, ignore_errors=True)
+                msg = e.message if isinstance(e, AgentEnvError) else str(e)
+                log.warning("checkpoint of %s refused, sandbox untouched: %s", sid, msg)
+                raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
+                                  headers={"Retry-After": "5"}) from e
+            raise
+        self._record_boot_id(sid, image_dir)
+
+    async def seal_copy(self, sandbox_id: str, image: Path, upper_copy: Path) -> Sealed:
+        """Seal what `checkpoint_running` took: the upper's copy into a layer, the image into a memory
+        artifact (both pinned against GC until the caller unpins them: `unpin_sealed`)."""
+        with span("seal.upper", sandbox_id):
+            layer = await self.artifacts.seal_upper(upper_copy)
+        if layer:
+            self.pin_layer(layer)
+        try:
+            with span("seal.memory", sandbox_id):
+                mem = await self.artifacts.seal_memory(image)
+        except BaseException:
+            if layer:
+                self.unpin_layer(layer)
+            raise
+        self.pin(mem)
+        return Sealed(layer, mem)
+
+    def unpin_sealed(self, sealed: Sealed) -> None:
+        if sealed.layer:
+            self.unpin_layer(sealed.layer)
+        if sealed.memory:
+            self.unpin(sealed.memory)
 
     async def seal(self, sandbox_id: str, image: Path | None, *, keep_disk: bool = False,
                    on_layer: Callable[[str | None], Awaitable[None]] | None = None) -> Sealed:

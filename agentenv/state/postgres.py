@@ -86,6 +86,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE templates ADD COLUMN IF NOT EXISTS runtime TEXT;
     ALTER TABLE snapshots ADD COLUMN IF NOT EXISTS runtime TEXT;
     """,
+    # 2 -> 3: the checkpoint a sandbox's state last came from (time travel).
+    """
+    ALTER TABLE sandboxes ADD COLUMN IF NOT EXISTS checkpoint_id TEXT;
+    """,
 ]
 
 # Serialises schema migrations of concurrently starting processes, and the dead-node sweep.

@@ -151,6 +151,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE templates ADD COLUMN runtime TEXT;
     ALTER TABLE snapshots ADD COLUMN runtime TEXT;
     """,
+    # 7 -> 8: the checkpoint a sandbox's state last came from (time travel: its next checkpoint's parent).
+    """
+    ALTER TABLE sandboxes ADD COLUMN checkpoint_id TEXT;
+    """,
 ]
 
 _ADD_COLUMN = re.compile(r"ALTER\s+TABLE\s+(\w+)\s+ADD\s+COLUMN\s+(\w+)", re.IGNORECASE)
@@ -185,7 +189,7 @@ _SANDBOX_COLS = (
     "sandbox_id", "template_id", "team_id", "state", "started_at", "end_at", "cpu_count", "memory_mb",
     "disk_mb", "envd_access_token", "traffic_access_token", "alias", "metadata", "env_vars", "auto_pause",
     "auto_resume", "allow_internet_access", "network", "slot", "runtime", "node_id", "parent_id",
-    "snapshot_id", "created_at", "image", "layers", "pause_mode", "memory_digest",
+    "snapshot_id", "created_at", "image", "layers", "pause_mode", "memory_digest", "checkpoint_id",
 )
 _SNAPSHOT_COLS = (
     "snapshot_id", "team_id", "names", "source_sandbox_id", "template_id", "image", "layers", "memory_digest",
@@ -338,6 +342,7 @@ class SQLiteStateStore:
             "layers": json.dumps(list(rec.layers)),
             "pause_mode": rec.pause_mode,
             "memory_digest": rec.memory_digest,
+            "checkpoint_id": rec.checkpoint_id,
         }
 
     @staticmethod
@@ -371,6 +376,7 @@ class SQLiteStateStore:
             layers=json.loads(row["layers"]),
             pause_mode=row["pause_mode"],
             memory_digest=row["memory_digest"],
+            checkpoint_id=row["checkpoint_id"],
         )
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
