@@ -123,13 +123,13 @@ class Capture:
             shutil.rmtree(d, ignore_errors=True)
         t0 = time.monotonic()
         try:
-            await host.checkpoint_running(rec, image, upper_copy)
+            frozen = await host.checkpoint_running(rec, image, upper_copy)
         except Unavailable:
             self.lifecycle.rollback(rec, before)
             raise
         except Exception as e:  # noqa: BLE001 - frozen and not thawed, or dead
             return await self._restart_after_failed_thaw(rec, image, upper_copy, final, e)
-        frozen = time.monotonic() - t0
+        t_back = time.monotonic() - t0
         await self.lifecycle.settle(rec, final)  # usable again: traffic no longer waits
         try:
             sealed = await host.seal_copy(sid, image, upper_copy)
@@ -141,8 +141,8 @@ class Capture:
         finally:
             for d in (image, upper_copy):
                 shutil.rmtree(d, ignore_errors=True)
-        log.info("captured %s without stopping it: frozen %.3fs, sealed after %.3fs (layer %s)", sid, frozen,
-                 time.monotonic() - t0, sealed.layer[:12] if sealed.layer else "-")
+        log.info("captured %s without stopping it: frozen %.3fs, running again after %.3fs, sealed after %.3fs "
+                 "(layer %s)", sid, frozen, t_back, time.monotonic() - t0, sealed.layer[:12] if sealed.layer else "-")
         layers = ([sealed.layer] if sealed.layer else []) + list(rec.layers)
         return Captured(replace(rec, layers=layers), sealed, frozen_s=frozen)
 

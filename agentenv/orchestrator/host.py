@@ -351,12 +351,13 @@ class SandboxHost:
         """Whether the sandbox's runtime can capture it and leave it running (`checkpoint_running`)."""
         return self.runtime_for(rec.sandbox_id, rec.runtime).traits.captures_running
 
-    async def checkpoint_running(self, rec: SandboxRecord, image_dir: Path, upper_copy: Path) -> None:
+    async def checkpoint_running(self, rec: SandboxRecord, image_dir: Path, upper_copy: Path) -> float:
         """Capture a running sandbox and leave it running: memory into `image_dir` and a copy of its
         writable upper into `upper_copy`, both taken while it is frozen (one instant), then thawed.
 
         The sandbox is unavailable only for the freeze. A refusal (Unavailable, 503) leaves it running
         and nothing in either directory; any other error means the runtime could not thaw it or it died.
+        Returns the seconds it was frozen.
         """
         sid = rec.sandbox_id
         rt = self.runtime_for(sid, rec.runtime)
@@ -373,7 +374,7 @@ class SandboxHost:
 
         try:
             with span("runtime.checkpoint_running", sid):
-                await rt.checkpoint_running(sid, image_dir, while_frozen=copy_upper, **kwargs)
+                frozen = await rt.checkpoint_running(sid, image_dir, while_frozen=copy_upper, **kwargs)
         except Exception as e:  # noqa: BLE001
             if isinstance(e, CaptureRefused) or await rt.state(sid) == "running":
                 shutil.rmtree(image_dir, ignore_errors=True)
@@ -384,6 +385,9 @@ class SandboxHost:
                                   headers={"Retry-After": "5"}) from e
             raise
         self._record_boot_id(sid, image_dir)
+        if kwargs.get("reset_connections"):
+            log.info("capture of %s reset its TCP connections first (one extra checkpoint while it ran)", sid)
+        return frozen
 
     async def seal_copy(self, sandbox_id: str, image: Path, upper_copy: Path) -> Sealed:
         """Seal what `checkpoint_running` took: the upper's copy into a layer, the image into a memory

@@ -87,10 +87,11 @@ class Runtime(Protocol):
         `reset_connections=` only where `traits.resets_connections`."""
 
     async def checkpoint_running(self, sandbox_id: str, image_dir: Path, *,
-                                 while_frozen: Callable[[], Awaitable[None]], **options: bool) -> None:
+                                 while_frozen: Callable[[], Awaitable[None]], **options: bool) -> float:
         """Only where `traits.captures_running`: freeze, write memory + runtime state to image_dir, run
         `while_frozen` (the caller captures the disk at the same instant), thaw. The sandbox keeps
-        running; if anything fails it is thawed and `CaptureRefused` says why."""
+        running; if anything fails it is thawed and `CaptureRefused` says why. Returns the seconds
+        it was frozen."""
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         """Start a sandbox from a checkpoint (possibly into another slot/rootfs: a fork child)."""

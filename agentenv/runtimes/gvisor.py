@@ -200,6 +200,7 @@ class GVisorRuntime:
         self._overlay_flag: str | None = None
         self._old_runsc: bool | None = None
         self._flags_lock = asyncio.Lock()
+        self._frozen_at: dict[str, float] = {}  # sandbox id -> when its capture froze it
 
     # ---------------------------------------------------------------- plumbing
 
@@ -353,11 +354,12 @@ class GVisorRuntime:
         await asyncio.shield(self.stop(sandbox_id))
 
     async def checkpoint_running(self, sandbox_id: str, image_dir: Path, *,
-                                 while_frozen: Callable[[], Awaitable[None]], reset_connections: bool = False) -> None:
+                                 while_frozen: Callable[[], Awaitable[None]], reset_connections: bool = False) -> float:
         """Write the sandbox's memory image to `image_dir` and keep it running: frozen (`runsc pause`)
         for the image and `while_frozen` (the caller copies its disk: the two describe one instant),
         then thawed. A failure anywhere thaws it and raises `CaptureRefused` (RuntimeFailure if it
-        died); a refused image leaves nothing in `image_dir`."""
+        died); a refused image leaves nothing in `image_dir`. Returns how long it was frozen (from
+        `runsc pause` until `runsc resume` returned), in seconds."""
         if not self.modern:
             raise CaptureRefused("this runsc cannot checkpoint a sandbox and leave it running")
         netns_path = await self._netns_of(sandbox_id)
@@ -374,6 +376,7 @@ class GVisorRuntime:
                                      "the sandbox keeps running unchanged") from e
             raise
         await self._thaw(sandbox_id)
+        return time.monotonic() - self._frozen_at.pop(sandbox_id, time.monotonic())
 
     async def _thaw(self, sandbox_id: str) -> None:
         res = await self._runsc("resume", sandbox_id, check=False)
@@ -404,6 +407,7 @@ class GVisorRuntime:
             if res.returncode != 0:
                 await self._refused(sandbox_id, log_file, "resetting its connections", frozen=False)
             await asyncio.sleep(RESET_SETTLE_S)
+        self._frozen_at[sandbox_id] = time.monotonic()
         await self._runsc("pause", sandbox_id)
         res = await self._runsc("checkpoint", "--leave-running", f"--image-path={image_dir}", compression,
                                 sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
