@@ -60,9 +60,14 @@ class Capture:
     def _journal_path(self, sandbox_id: str) -> Path:
         return self.host.sandbox_dir(sandbox_id) / "capture.json"
 
-    def _journal(self, rec: SandboxRecord, **state: object) -> None:
-        """Where a capture stands, so a server killed half-way finds the source's state (`recover`)."""
+    def forget_journal(self, sandbox_id: str) -> None:
+        self._journal_path(sandbox_id).unlink(missing_ok=True)
+
+    def journal(self, rec: SandboxRecord, **state: object) -> None:
+        """Where a capture (or a rollback) stands, so a server killed half-way finds the sandbox's state
+        (`recover`): `memory=` a sealed image with `rec.layers`, `image=` an unsealed image dir."""
         path = self._journal_path(rec.sandbox_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"layers": rec.layers, **state}))
         os.replace(tmp, path)
@@ -201,16 +206,16 @@ class Capture:
         async def record_layer(layer: str | None) -> None:
             if layer:
                 rec.layers = [layer] + rec.layers
-                self._journal(rec, image=str(tmp_image))
+                self.journal(rec, image=str(tmp_image))
                 await self.lifecycle.persist(rec)
 
         try:
-            self._journal(rec, image=str(tmp_image))
+            self.journal(rec, image=str(tmp_image))
             # the upper is sealed from the disk image (keep_disk): the source comes back on a fresh one
             sealed = await host.seal(sid, tmp_image, keep_disk=True, on_layer=record_layer)
             mem = sealed.memory
             host.pin(mem)
-            self._journal(rec, memory=mem)
+            self.journal(rec, memory=mem)
             t_seal = time.monotonic() - t0 - t_ckpt
             # Same id, same slot (guest addressing is identical anyway), fresh upper on the new chain.
             await host.network.deactivate(slot)
@@ -262,12 +267,16 @@ class Capture:
 
     async def recover(self, rec: SandboxRecord) -> bool:
         """A server killed mid-capture left the source stopped with a complete image (its journal):
-        keep it as a paused sandbox with that image. True if it was recovered."""
+        keep it as a paused sandbox with that image. True if it was recovered. (A capture that leaves
+        the source running has no journal: only its scratch copies are removed here.)"""
         host = self.host
         sid = rec.sandbox_id
+        for scratch in ("capture-upper", "capture.reset"):
+            shutil.rmtree(host.sandbox_dir(sid) / scratch, ignore_errors=True)
         try:
             journal = json.loads(self._journal_path(sid).read_text())
         except (OSError, ValueError):
+            shutil.rmtree(host.sandbox_dir(sid) / "capture", ignore_errors=True)  # a half-written image
             return False
         image = Path(journal["image"]) if journal.get("image") else None
         if not journal.get("memory") and not (image and image.is_dir()):
@@ -278,6 +287,8 @@ class Capture:
             log.error("could not recover the interrupted capture of %s: %s", sid, e)
             return False
         rec.layers = list(journal.get("layers") or rec.layers)
+        rec.image = journal.get("rootImage") or rec.image  # a rollback's target may sit on another image
+        rec.checkpoint_id = journal.get("checkpoint") or rec.checkpoint_id
         rec.pause_mode, rec.slot = "full", None
         self.lifecycle.mark(rec, SandboxState.PAUSED)
         await host.stop_quietly(sid)  # not adopted yet: the node's default runtime (stop is idempotent)

@@ -349,7 +349,7 @@ class SandboxHost:
 
     def captures_running(self, rec: SandboxRecord) -> bool:
         """Whether the sandbox's runtime can capture it and leave it running (`checkpoint_running`)."""
-        return self.runtime_for(rec.sandbox_id, rec.runtime).traits.captures_running
+        return self.settings.capture_running and self.runtime_for(rec.sandbox_id, rec.runtime).traits.captures_running
 
     async def checkpoint_running(self, rec: SandboxRecord, image_dir: Path, upper_copy: Path) -> float:
         """Capture a running sandbox and leave it running: memory into `image_dir` and a copy of its

@@ -138,10 +138,14 @@ class TimeTravel:
         rec.layers, rec.image, rec.checkpoint_id = list(snap.layers), snap.image, snap.snapshot_id
         try:
             await host.rootfs.release(sid)  # the discarded state: its upper and everything in its dir
+            # a server killed from here on finds the sandbox paused at the checkpoint (`Capture.recover`)
+            self.captures.journal(rec, memory=snap.memory_digest, rootImage=rec.image, checkpoint=snap.snapshot_id)
             await host.network.deactivate(slot)
             await host.bring_up(rec, restore_from=mem, restore_token=snap.restore_token, slot=slot)
         except Exception as e:  # noqa: BLE001
             raise await self.captures.park(rec, None, snap.memory_digest, e) from e
+        finally:
+            self.captures.forget_journal(sid)
 
     # ------------------------------------------------------------------ the tree
 
