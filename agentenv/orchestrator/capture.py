@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class Captured:
     sealed: Sealed
     frozen_s: float | None = None  # how long the source was frozen (captures that leave it running)
     result: Any = None             # what `then` returned
+    pins: list[str] = field(default_factory=list)  # more layers kept from GC until `release`
 
     @property
     def memory(self) -> str:
@@ -108,6 +109,7 @@ class Capture:
     def release(self, got: "Captured") -> None:
         """The capture's artifacts are referenced by records or snapshots now (or were not wanted)."""
         self.host.unpin_sealed(got.sealed)
+        self.host.unpin_layers(got.pins)
 
     async def _capture_stopping(self, rec: SandboxRecord, before: SandboxState, final: SandboxState) -> "Captured":
         try:
@@ -139,6 +141,7 @@ class Capture:
         try:
             sealed = await host.seal_copy(sid, image, upper_copy)
         except Exception as e:  # noqa: BLE001 - e.g. the disk is full: the source runs on, untouched
+            host.unpin_layers(frozen.base)
             log.error("sealing the capture of %s failed: %s", sid, e)
             raise Unavailable(f"Sandbox {sid} could not be captured: sealing its image failed ({e}); "
                               "the sandbox keeps running unchanged", error_code="capture_failed",
@@ -146,41 +149,47 @@ class Capture:
         finally:
             for d in (image, upper_copy):
                 shutil.rmtree(d, ignore_errors=True)
+        layers = ([sealed.layer] if sealed.layer else []) + frozen.base
+        host.remember_capture(rec, frozen, layers)
         log.info("captured %s without stopping it: frozen %.3fs, running again after %.3fs, sealed after %.3fs "
-                 "(layer %s)", sid, frozen, t_back, time.monotonic() - t0, sealed.layer[:12] if sealed.layer else "-")
-        layers = ([sealed.layer] if sealed.layer else []) + list(rec.layers)
-        return Captured(replace(rec, layers=layers), sealed, frozen_s=frozen)
+                 "(layer %s, %s)", sid, frozen.frozen_s, t_back, time.monotonic() - t0,
+                 sealed.layer[:12] if sealed.layer else "-",
+                 "whole upper" if frozen.base == list(rec.layers) else f"delta over {len(frozen.base)} layers")
+        return Captured(replace(rec, layers=layers), sealed, frozen_s=frozen.frozen_s, pins=frozen.base)
 
     async def _restart_after_failed_thaw(self, rec: SandboxRecord, image: Path, upper_copy: Path,
                                          final: SandboxState, why: Exception) -> "Captured":
-        """The image and the upper copy exist but the source could not be thawed (or died): restart it
-        from them in place, the way a stopping capture does; parked paused if even that fails."""
+        """The image was taken but the source could not be thawed: it is still frozen as it was at the
+        image, so stop it and finish the way a stopping capture does (its upper sealed into a layer,
+        restored in place from the image); parked paused if that fails. Dead: lost."""
         host = self.host
         sid = rec.sandbox_id
-        if not (image.is_dir() and upper_copy.is_dir()):
+        shutil.rmtree(upper_copy, ignore_errors=True)
+        alive = await host.runtime_for(sid, rec.runtime).is_alive(sid)
+        if not (alive and image.is_dir()):
             raise await self._lose(rec, why) from why
         log.error("sandbox %s could not be thawed after its capture (%s); restarting it from the image", sid, why)
         slot = host.slots[sid]
         await asyncio.shield(host.stop_quietly(sid, rec.runtime))
-        sealed: Sealed | None = None
+        mem: str | None = None
         try:
-            sealed = await host.seal_copy(sid, image, upper_copy)
-            if sealed.layer:
-                rec.layers = [sealed.layer] + rec.layers
-            await self.lifecycle.persist(rec)
-            await host.rootfs.release(sid)  # the old upper: it is the sealed layer now
+            async def record_layer(layer: str | None) -> None:
+                if layer:
+                    rec.layers = [layer] + rec.layers
+                    await self.lifecycle.persist(rec)
+
+            sealed = await host.seal(sid, image, keep_disk=True, on_layer=record_layer)
+            mem = sealed.memory
+            host.pin(mem)
             await host.network.deactivate(slot)
-            await host.bring_up(rec, restore_from=self.artifacts.memory_dir(sealed.memory),
-                                restore_token=rec.envd_access_token, slot=slot)
+            await host.bring_up(rec, restore_from=self.artifacts.memory_dir(mem), restore_token=rec.envd_access_token,
+                                slot=slot)
         except Exception as e:  # noqa: BLE001
-            mem = sealed.memory if sealed else None
-            if sealed is not None:
-                host.unpin_sealed(sealed)
+            if mem is not None:
+                host.unpin(mem)
             raise await self.park(rec, image, mem, e) from e
-        if sealed.layer:
-            host.unpin_layer(sealed.layer)  # in the record now
         await self.lifecycle.settle(rec, final)
-        return Captured(replace(rec, layers=list(rec.layers)), Sealed(None, sealed.memory))
+        return Captured(replace(rec, layers=list(rec.layers)), Sealed(None, mem))
 
     async def _capture(self, rec: SandboxRecord) -> str:
         """Checkpoint a running sandbox, seal its upper into a layer, restore it in place.

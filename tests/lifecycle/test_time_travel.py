@@ -89,10 +89,19 @@ def start_counter(sbx: Sandbox) -> int:
             time.sleep(0.3)
 
 
+# Per step, besides a new file and an overwritten one: a file of the previous step deleted, a
+# directory deleted and made again, and (as root) a directory of the image replaced by one holding
+# only this step's file (an overlay opaque directory).
+CHURN = ("rm -f {d}/files/*.tmp; echo {i} > {d}/files/step-{i:02d}.tmp; rm -rf {d}/scratch; mkdir {d}/scratch; "
+         "echo {i} > {d}/scratch/n; [ {i} -gt 1 ] || {{ rm -rf /etc/apt/apt.conf.d; mkdir /etc/apt/apt.conf.d; }}; "
+         "echo {i} > /etc/apt/apt.conf.d/zz-step")
+
+
 def step(sbx: Sandbox, i: int) -> dict:
     got = ask(sbx, "step")
     sbx.files.write(f"{D}/files/step-{i:02d}.txt", f"step {i} of {sbx.sandbox_id}\n")
     sbx.files.write(f"{D}/latest.txt", str(i))
+    sbx.commands.run(CHURN.format(d=D, i=i), user="root")
     return got
 
 
@@ -105,8 +114,11 @@ def assert_at_step(sbx: Sandbox, n: int, pid: int, where: str) -> None:
     assert got["counter"] == n and got["trail"] == trail(n), f"{where}: in-memory counter {got}, expected step {n}"
     assert got["pid"] == pid, f"{where}: the counter process changed ({got['pid']} != {pid})"
     files = sorted(e.name for e in sbx.files.list(f"{D}/files"))
-    assert files == [f"step-{k:02d}.txt" for k in range(1, n + 1)], f"{where}: files {files}"
+    assert files == sorted([f"step-{k:02d}.txt" for k in range(1, n + 1)] + [f"step-{n:02d}.tmp"]), \
+        f"{where}: files {files}"
     assert sbx.files.read(f"{D}/latest.txt") == str(n), f"{where}: latest.txt"
+    r = sbx.commands.run("cat scratch/n; ls scratch; ls /etc/apt/apt.conf.d; cat /etc/apt/apt.conf.d/zz-step", cwd=D)
+    assert r.stdout.split() == [str(n), "n", "zz-step", str(n)], f"{where}: scratch dirs {r.stdout!r}"
 
 
 def error_of(fn) -> ApiError:
