@@ -367,6 +367,7 @@ class GVisorRuntime:
         log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
         image_dir.mkdir(parents=True, exist_ok=True)
         await self._save_frozen(sandbox_id, image_dir, reset_connections, netns_path, log_file)
+        t_image = time.monotonic()
         try:
             await while_frozen()
         except BaseException as e:
@@ -375,8 +376,13 @@ class GVisorRuntime:
                 raise CaptureRefused(f"capturing the disk of the frozen sandbox failed: {e}; "
                                      "the sandbox keeps running unchanged") from e
             raise
+        t_disk = time.monotonic()
         await self._thaw(sandbox_id)
-        return time.monotonic() - self._frozen_at.pop(sandbox_id, time.monotonic())
+        t_end = time.monotonic()
+        t0 = self._frozen_at.pop(sandbox_id, t_image)
+        log.info("sandbox %s frozen %.3fs: pause + image %.3fs, disk %.3fs, resume %.3fs", sandbox_id, t_end - t0,
+                 t_image - t0, t_disk - t_image, t_end - t_disk)
+        return t_end - t0
 
     async def _thaw(self, sandbox_id: str) -> None:
         res = await self._runsc("resume", sandbox_id, check=False)
