@@ -55,8 +55,20 @@ while True:
         os.replace(os.path.join(d, "step.out.tmp"), os.path.join(d, "step.out"))
     time.sleep(0.005)
 '''
-STEP_SH = ("rm -f {d}/step.out; touch {d}/step.req; "
-           "for i in $(seq 2000); do [ -e {d}/step.out ] && break; sleep 0.01; done; cat {d}/step.out")
+STEP_PY = r'''
+import os, sys, time
+d = sys.argv[1]
+out = os.path.join(d, "step.out")
+if os.path.exists(out):
+    os.remove(out)
+open(os.path.join(d, "step.req"), "w").close()
+deadline = time.time() + 120
+while not os.path.exists(out):
+    if time.time() > deadline:
+        sys.exit("the worker did not answer: " + open(os.path.join(d, "worker.log")).read()[-2000:])
+    time.sleep(0.005)
+print(open(out).read())
+'''
 D = "/home/user/ttb"
 
 
@@ -83,13 +95,14 @@ def frozen_of(logtxt: str) -> list[float]:
 
 def start_worker(sbx, mib: int, delta: int) -> None:
     sbx.files.write(f"{D}/worker.py", WORKER)
+    sbx.files.write(f"{D}/step.py", STEP_PY)
     sbx.commands.run(f"python3 {D}/worker.py {D} {mib} {delta} > {D}/worker.log 2>&1", background=True).disconnect()
     time.sleep(1)
     one_step(sbx)  # the worker is up (and its memory allocated) once it answers
 
 
 def one_step(sbx) -> int:
-    return int(sbx.commands.run(STEP_SH.format(d=D), timeout=120).stdout.strip())
+    return int(sbx.commands.run(f"python3 {D}/step.py {D}", timeout=180).stdout.strip())
 
 
 def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
@@ -110,6 +123,12 @@ def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
             rows.append({"step": i + 1, "checkpoint_call": call, "frozen": fr[0] if fr else None,
                          "stored_bytes": grew, "size_bytes": ck.size_bytes})
             bench.log(f"step {i + 1}: checkpoint {call:.2f}s, frozen {rows[-1]['frozen']}, +{grew >> 20} MiB")
+        sharing = None
+        if len(ids) >= 2:  # what a page-level store could share between the last two images
+            mems = [json.loads((srv.data_dir / "snapshots" / "manifests" / f"{c}.json").read_text())["memory"]
+                    for c in ids[-2:]]
+            sharing = page_sharing(*(srv.data_dir / "memory" / m / "pages.img" for m in mems))
+            bench.log(f"pages shared by the last two memory images: {sharing}")
         rb = []
         for k in range(min(8, len(ids))):
             target = ids[(k * 7) % len(ids)]
@@ -122,10 +141,11 @@ def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
         t0 = time.monotonic()
         snap = sbx.create_snapshot()
         snap_call = time.monotonic() - t0
-        snap_info = next(s for s in Sandbox.list_snapshots().next_items() if s.snapshot_id == snap.snapshot_id)
-        full = getattr(snap_info, "size_bytes", None)
+        full = json.loads((srv.data_dir / "snapshots" / "manifests" / f"{snap.snapshot_id}.json").read_text())[
+            "sizeBytes"]
         Sandbox.delete_snapshot(snap.snapshot_id)
         return {"rows": rows, "rollback_to_first_command": bench.stats(rb), "snapshot_call": snap_call,
+                "page_sharing": sharing,
                 "full_snapshot_frozen": (frozen_of(srv.log_since(mark)) or [None])[0],
                 "full_snapshot_size_bytes": full}
     finally:
@@ -171,6 +191,28 @@ def raw_checkpoint(raw, mib: int, reps: int = 3) -> dict:
     return bench.stats(out)
 
 
+def page_sharing(older: Path, newer: Path) -> dict:
+    """How much of a memory image (`pages.img`) a deduplicating store could take from its parent's:
+    the share of `newer`'s 4 KiB pages and of its 64 KiB blocks found anywhere in `older`, and at the
+    same offset. (Content-defined chunks of ~64 KiB fare like the blocks when pages move around.)"""
+    import hashlib
+
+    def digests(p: Path, size: int) -> list[bytes]:
+        out = []
+        with open(p, "rb") as f:
+            while b := f.read(size):
+                out.append(hashlib.blake2b(b, digest_size=16).digest())
+        return out
+
+    res = {}
+    for size in (4096, 65536):
+        a, b = digests(older, size), digests(newer, size)
+        known = set(a)
+        res[f"{size // 1024}KiB_anywhere"] = sum(h in known for h in b) / len(b)
+        res[f"{size // 1024}KiB_same_offset"] = sum(i < len(a) and a[i] == h for i, h in enumerate(b)) / len(b)
+    return res
+
+
 def report(res: dict, args) -> str:
     rows = res["running"]["trajectory"]["rows"]
     later = rows[1:] or rows
@@ -178,7 +220,7 @@ def report(res: dict, args) -> str:
     ck = bench.stats([r["checkpoint_call"] for r in rows])
     fr = bench.stats([r["frozen"] for r in rows if r["frozen"] is not None])
     raw = res["raw_checkpoint"]
-    full = res["running"]["trajectory"]["full_snapshot_size_bytes"] or 0
+    full = res["running"]["trajectory"]["full_snapshot_size_bytes"] or rows[-1]["size_bytes"]
     L = [f"# Time travel: {args.steps} checkpoints of a {args.mib} MiB sandbox changing {args.delta_mib} MiB/step",
          "", f"Run {res['meta']['started']}, load {res['meta']['load_start']} → {res['meta'].get('load_end')}.", "",
          "| | p50 | p95 |", "|---|---|---|",
@@ -188,7 +230,14 @@ def report(res: dict, args) -> str:
          f"| rollback → first command | {bench.s_(res['running']['trajectory']['rollback_to_first_command']['p50'])} | "
          f"{bench.s_(res['running']['trajectory']['rollback_to_first_command']['p95'])} |",
          "", f"Stored bytes per checkpoint (data dir growth, steps 2+): {per_step / 2**20:.0f} MiB; a full snapshot "
-         f"of the same sandbox: {full / 2**20:.0f} MiB (ratio {per_step / full:.2f}) ." if full else "", ""]
+         f"of the same sandbox: {full / 2**20:.0f} MiB (ratio {per_step / full:.2f}); changed per step: "
+         f"{args.delta_mib} MiB of memory + 64 KiB of files.", "",
+         f"Pages of the last memory image found in its parent's: {res['running']['trajectory']['page_sharing']}", ""]
+    L.append("| step | checkpoint call | frozen | stored |")
+    L.append("|---|---|---|---|")
+    L += [f"| {r['step']} | {bench.s_(r['checkpoint_call'])} | {bench.s_(r['frozen'])} | {r['stored_bytes'] / 2**20:.0f} MiB |"
+          for r in rows]
+    L.append("")
     for mode in ("running", "stopping"):
         f = res.get(mode, {}).get("fork16")
         if f:
@@ -203,7 +252,13 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--delta-mib", type=int, default=4)
     ap.add_argument("--skip-stopping", action="store_true", help="skip the run on a server whose captures stop")
+    ap.add_argument("--skip-fork", action="store_true", help="no fork 16 (nor the stopping server)")
+    ap.add_argument("--pages", nargs=2, metavar=("OLDER", "NEWER"),
+                    help="only compare two pages.img files (how much a page-level store would share)")
     args = ap.parse_args()
+    if args.pages:
+        print(json.dumps(page_sharing(Path(args.pages[0]), Path(args.pages[1])), indent=1))
+        return 0
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     res: dict = {"meta": {"started": started, "args": vars(args), "load_start": bench.loadavg(),
                           "hardware": bench.hardware()}}
@@ -215,12 +270,14 @@ def main() -> int:
         srv.prepare()
         srv.start()
         tt = TimeTravel(api_url=srv.url, api_key=srv.key)
-        res["running"] = {"trajectory": trajectory(srv, tt, Sandbox, args), "fork16": fork16(srv, Sandbox, args)}
+        res["running"] = {"trajectory": trajectory(srv, tt, Sandbox, args)}
+        if not args.skip_fork:
+            res["running"]["fork16"] = fork16(srv, Sandbox, args)
         srv.stop()
         raw = bench.Raw(bench.BENCH_DIR)
         raw.run(raw.setup())
         res["raw_checkpoint"] = raw_checkpoint(raw, args.mib)
-        if not args.skip_stopping:
+        if not (args.skip_stopping or args.skip_fork):
             os.environ["AGENTENV_CAPTURE_RUNNING"] = "false"
             srv.start()
             res["stopping"] = {"fork16": fork16(srv, Sandbox, args)}
