@@ -28,6 +28,7 @@ from agentenv.errors import AgentEnvError, RuntimeFailure, Unavailable
 from agentenv.models import SandboxRecord, SandboxState
 from agentenv.orchestrator.host import SandboxHost, Sealed
 from agentenv.orchestrator.lifecycle import Lifecycle
+from agentenv.orchestrator.livecapture import LiveCapture
 
 log = logging.getLogger("agentenv.orchestrator")
 
@@ -54,6 +55,7 @@ class Capture:
                  lose: Callable[[SandboxRecord, Exception], Awaitable[Exception]]) -> None:
         self._busy: set[str] = set()
         self.host = host
+        self.live = LiveCapture(host)
         self.lifecycle = lifecycle
         self.artifacts = host.artifacts
         self._lose = lose
@@ -130,7 +132,7 @@ class Capture:
             shutil.rmtree(d, ignore_errors=True)
         t0 = time.monotonic()
         try:
-            frozen = await host.checkpoint_running(rec, image, upper_copy)
+            frozen = await self.live.checkpoint_running(rec, image, upper_copy)
         except Unavailable:
             self.lifecycle.rollback(rec, before)
             raise
@@ -139,7 +141,7 @@ class Capture:
         t_back = time.monotonic() - t0
         await self.lifecycle.settle(rec, final)  # usable again: traffic no longer waits
         try:
-            sealed = await host.seal_copy(sid, image, upper_copy)
+            sealed = await self.live.seal_copy(sid, image, upper_copy)
         except Exception as e:  # noqa: BLE001 - e.g. the disk is full: the source runs on, untouched
             host.unpin_layers(frozen.base)
             log.error("sealing the capture of %s failed: %s", sid, e)
@@ -150,7 +152,7 @@ class Capture:
             for d in (image, upper_copy):
                 shutil.rmtree(d, ignore_errors=True)
         layers = ([sealed.layer] if sealed.layer else []) + frozen.base
-        host.remember_capture(rec, frozen, layers)
+        self.live.remember(rec, frozen, layers)
         log.info("captured %s without stopping it: frozen %.3fs, running again after %.3fs, sealed after %.3fs "
                  "(layer %s, %s)", sid, frozen.frozen_s, t_back, time.monotonic() - t0,
                  sealed.layer[:12] if sealed.layer else "-",

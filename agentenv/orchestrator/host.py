@@ -19,7 +19,6 @@ It knows nothing of sandbox states, teams or quotas: those are the orchestrator'
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import secrets
@@ -37,10 +36,8 @@ from agentenv.network.policy import EgressPolicy, parse_policy
 from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.trace import span
-from agentenv.proc import run_cmd
 from agentenv.runtimes import select as runtime_select
 from agentenv.runtimes.base import Runtime, SandboxSpec
-from agentenv.storage import upperdiff
 from agentenv.storage.artifacts import ArtifactCache
 
 log = logging.getLogger("agentenv.orchestrator")
@@ -50,24 +47,6 @@ log = logging.getLogger("agentenv.orchestrator")
 BOOT_ID_FILE = "boot_id"
 
 
-# A sandbox's last capture that left it running (`remember_capture`): the base of the next one's delta.
-CAPTURE_BASE = "capture-base.json"
-# At most this many deltas over a sandbox's own layers; then a capture copies its whole upper again
-# (overlayfs takes a page of lower paths, ~40 layers).
-MAX_DELTAS = 16
-
-
-@dataclass
-class FrozenCapture:
-    """What `checkpoint_running` took: the freeze's length, the layers its upper copy goes over (pinned
-    until `unpin_layers`), the upper's index at the freeze and the upper's inode."""
-
-    frozen_s: float
-    base: list[str]
-    index: dict
-    upper_ino: int
-
-
 @dataclass
 class Sealed:
     """What `seal` made of a stopped sandbox: its upper as a layer (None: nothing changed) and its
@@ -75,17 +54,6 @@ class Sealed:
 
     layer: str | None
     memory: str | None
-
-
-async def copy_tree(src: Path, dst: Path) -> None:
-    """`cp -a` (owners, modes, xattrs incl. overlay whiteouts and opaque marks, hard links, holes);
-    a reflink where the file system can (XFS, btrfs)."""
-    shutil.rmtree(dst, ignore_errors=True)
-    try:
-        await run_cmd(["cp", "-a", "--reflink=auto", "--", str(src), str(dst)], timeout=600, what="cp -a upper")
-    except BaseException:
-        shutil.rmtree(dst, ignore_errors=True)
-        raise
 
 
 def policy_of(rec: SandboxRecord) -> EgressPolicy:
@@ -357,9 +325,9 @@ class SandboxHost:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise
-        self._record_boot_id(sid, image_dir)
+        self.record_boot_id(sid, image_dir)
 
-    def _record_boot_id(self, sid: str, image_dir: Path) -> None:
+    def record_boot_id(self, sid: str, image_dir: Path) -> None:
         boot_id = self.sandbox_dir(sid) / BOOT_ID_FILE
         try:  # the boot this image continues (`write_boot_id`); without it a restore is a new boot_id
             if boot_id.is_file():
@@ -371,98 +339,9 @@ class SandboxHost:
         """Whether the sandbox's runtime can capture it and leave it running (`checkpoint_running`)."""
         return self.settings.capture_running and self.runtime_for(rec.sandbox_id, rec.runtime).traits.captures_running
 
-    async def checkpoint_running(self, rec: SandboxRecord, image_dir: Path, upper_copy: Path) -> "FrozenCapture":
-        """Capture a running sandbox and leave it running: memory into `image_dir` and its writable
-        upper into `upper_copy`, both taken while it is frozen (one instant), then thawed.
-
-        `upper_copy` is what changed since the sandbox's previous capture (`upperdiff`), to be stacked
-        over that capture's chain, or — the first time, after its upper was replaced, or every
-        `MAX_DELTAS` captures — a copy of the whole upper over its own layers (`base`).
-        The sandbox is unavailable only for the freeze. A refusal (Unavailable, 503) leaves it running
-        and nothing in either directory; any other error means the runtime could not thaw it or it died.
-        """
-        sid = rec.sandbox_id
-        rt = self.runtime_for(sid, rec.runtime)
-        upper = self.rootfs.upper_path(sid)
-        baseline = self._baseline(rec, upper)
-        got = FrozenCapture(0.0, list(baseline["chain"]) if baseline else list(rec.layers), {}, os.stat(upper).st_ino)
-        for d in got.base:
-            self.pin_layer(d)
-        await self.quiesce(sid)
-        kwargs = {}
-        if rt.traits.resets_connections:
-            with span("envd.connections", sid):
-                kwargs["reset_connections"] = await self.holds_connections(sid)
-
-        async def copy_upper() -> None:
-            with span("capture.copy_upper", sid):
-                got.index = await asyncio.to_thread(upperdiff.index, upper)
-                if baseline is None:
-                    await copy_tree(upper, upper_copy)
-                    return
-                copy, gone = upperdiff.changes(upper, upperdiff.load(baseline["index"]), got.index)
-                await upperdiff.write_delta(upper, upper_copy, copy, gone)
-
-        try:
-            with span("runtime.checkpoint_running", sid):
-                got.frozen_s = await rt.checkpoint_running(sid, image_dir, while_frozen=copy_upper, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            self.unpin_layers(got.base)
-            if isinstance(e, CaptureRefused) or await rt.state(sid) == "running":
-                shutil.rmtree(image_dir, ignore_errors=True)
-                shutil.rmtree(upper_copy, ignore_errors=True)
-                msg = e.message if isinstance(e, AgentEnvError) else str(e)
-                log.warning("checkpoint of %s refused, sandbox untouched: %s", sid, msg)
-                raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
-                                  headers={"Retry-After": "5"}) from e
-            raise
-        self._record_boot_id(sid, image_dir)
-        if kwargs.get("reset_connections"):
-            log.info("capture of %s reset its TCP connections first (one extra checkpoint while it ran)", sid)
-        return got
-
-    def _baseline(self, rec: SandboxRecord, upper: Path) -> dict | None:
-        """The sandbox's previous capture, if its upper copy can be a delta over that capture's chain:
-        the same upper (inode), the same layers under it, not too deep, every layer still here."""
-        try:
-            b = json.loads((self.sandbox_dir(rec.sandbox_id) / CAPTURE_BASE).read_text())
-            same = b["upper_ino"] == os.stat(upper).st_ino and b["lowers"] == list(rec.layers)
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        if not same or len(b["chain"]) - len(rec.layers) >= MAX_DELTAS:
-            return None
-        if not all(self.artifacts.layer_dir(d).is_dir() for d in b["chain"]):
-            return None
-        return b
-
-    def remember_capture(self, rec: SandboxRecord, got: "FrozenCapture", chain: list[str]) -> None:
-        """The capture's chain and upper index: the base of the sandbox's next capture's delta."""
-        path = self.sandbox_dir(rec.sandbox_id) / CAPTURE_BASE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"upper_ino": got.upper_ino, "lowers": list(rec.layers), "chain": chain,
-                                   "index": got.index}))
-        os.replace(tmp, path)
-
     def unpin_layers(self, digests: Iterable[str]) -> None:
         for d in digests:
             self.unpin_layer(d)
-
-    async def seal_copy(self, sandbox_id: str, image: Path, upper_copy: Path) -> Sealed:
-        """Seal what `checkpoint_running` took: the upper's copy into a layer, the image into a memory
-        artifact (both pinned against GC until the caller unpins them: `unpin_sealed`)."""
-        with span("seal.upper", sandbox_id):
-            layer = await self.artifacts.seal_upper(upper_copy)
-        if layer:
-            self.pin_layer(layer)
-        try:
-            with span("seal.memory", sandbox_id):
-                mem = await self.artifacts.seal_memory(image)
-        except BaseException:
-            if layer:
-                self.unpin_layer(layer)
-            raise
-        self.pin(mem)
-        return Sealed(layer, mem)
 
     def unpin_sealed(self, sealed: Sealed) -> None:
         if sealed.layer:
