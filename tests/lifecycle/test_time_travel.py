@@ -121,6 +121,19 @@ def assert_at_step(sbx: Sandbox, n: int, pid: int, where: str) -> None:
     assert r.stdout.split() == [str(n), "n", "zz-step", str(n)], f"{where}: scratch dirs {r.stdout!r}"
 
 
+@pytest.fixture
+def tracker(tracker):
+    """The lifecycle suite's tracker; at teardown also every checkpoint taken of its sandboxes."""
+    yield tracker
+    tt = TimeTravel()
+    for sid in tracker.ids:
+        try:
+            for c in tt.checkpoints(sid):
+                tt.delete(c.checkpoint_id)
+        except ApiError:
+            pass
+
+
 def error_of(fn) -> ApiError:
     with pytest.raises(ApiError) as exc:
         fn()
@@ -191,6 +204,8 @@ def test_trajectory_rollback_branch_delete(server, tracker):
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         assert list(pool.map(check_child, children)) == [13] * 4
+    # a branch's checkpoints hang under the checkpoint it was created from
+    assert tt.checkpoint(children[0]).parent_id == ck[12]
     assert len({c.sandbox_id for c in children} | {src.sandbox_id}) == 5
     for c in children:
         kill_quietly(c)
@@ -246,6 +261,7 @@ def test_bad_input_is_refused_and_nothing_is_lost(server, tracker):
         fc = other.checkpoint(foreign.sandbox_id)
         e = error_of(lambda: tt.rollback(src, fc.checkpoint_id))
         assert e.status == 404 and fc.checkpoint_id in e.message
+        other.delete(fc.checkpoint_id)
     finally:
         kill_quietly(foreign)
 
