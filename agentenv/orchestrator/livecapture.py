@@ -8,7 +8,6 @@ artifact while it runs on (`seal_copy`). Used by `capture.Capture` for fork, sna
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -85,7 +84,7 @@ class LiveCapture:
 
         async def copy_upper() -> None:
             with span("capture.copy_upper", sid):
-                got.index = await asyncio.to_thread(upperdiff.index, upper)
+                got.index = await upperdiff.index(upper)
                 if baseline is None:
                     await copy_tree(upper, upper_copy)
                     return

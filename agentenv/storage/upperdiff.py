@@ -24,23 +24,28 @@ from agentenv.proc import run_cmd
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 
-Entry = tuple[int, int, int, int, int, int, int]  # mode, uid, gid, size, mtime_ns, ctime_ns, ino
+Entry = tuple[str, ...]  # type+mode, uid, gid, size, mtime, ctime, inode (as find prints them)
+
+# `find -printf`: the metadata fields (no spaces in any), then the path (anything but NUL), NUL-ended.
+_FIND_FORMAT = "%y%m %U %G %s %T@ %C@ %i %P\\0"
 
 
-def index(upper: Path) -> dict[str, Entry]:
-    """Every entry below `upper` (relative path → metadata), directories included."""
+async def index(upper: Path) -> dict[str, Entry]:
+    """Every entry below `upper` (relative path → metadata), directories included: one `find`, which
+    walks a 10,000-entry upper several times faster than Python can (this runs while the sandbox is
+    frozen)."""
+    res = await run_cmd(["find", str(upper), "-mindepth", "1", "-printf", _FIND_FORMAT], timeout=600,
+                        what="find upper", errors="surrogateescape")
     out: dict[str, Entry] = {}
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        with os.scandir(upper / rel if rel else upper) as it:
-            for e in it:
-                st = e.stat(follow_symlinks=False)
-                path = f"{rel}/{e.name}" if rel else e.name
-                out[path] = (st.st_mode, st.st_uid, st.st_gid, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(path)
+    for rec in res.stdout.split("\0"):
+        if rec:
+            *meta, path = rec.split(" ", 7)
+            out[path] = tuple(meta)
     return out
+
+
+def is_dir(entry: Entry) -> bool:
+    return entry[0].startswith("d")
 
 
 def _opaque(path: Path) -> bool:
@@ -75,7 +80,7 @@ async def write_delta(upper: Path, dst: Path, copy: list[str], gone: list[str]) 
     dst.mkdir(parents=True)
     if copy:
         listing = dst.with_name(dst.name + ".list")
-        listing.write_bytes(b"\0".join(p.encode() for p in copy) + b"\0")
+        listing.write_bytes(b"\0".join(os.fsencode(p) for p in copy) + b"\0")
         try:
             # one tar pipeline: metadata as the layers' tar keeps it (no recursion: the list is exact)
             script = ('tar --create --null --no-recursion --numeric-owner --xattrs --xattrs-include="*" --acls '

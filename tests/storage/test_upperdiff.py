@@ -62,7 +62,7 @@ async def test_delta_over_previous_copy_shows_the_live_upper(tmp_path: Path) -> 
         (live / "tmpdir" / "t").write_text("t")
         (live / "linked").write_text("hard")
         (live / "stable").write_text("never touched again")
-        idx1 = upperdiff.index(upper)
+        idx1 = await upperdiff.index(upper)
         full = tmp_path / "full"
         await asyncio.to_thread(os.system, f"cp -a {upper} {full}")
 
@@ -78,7 +78,9 @@ async def test_delta_over_previous_copy_shows_the_live_upper(tmp_path: Path) -> 
         (live / "opaque" / "fresh").write_text("only this")
         os.link(live / "linked", live / "linked2")              # a hard link
         os.symlink("keep/b", live / "sym")
-        idx2 = upperdiff.index(upper)
+        with open(os.path.join(os.fsencode(live), b"name-\xff latin1 \t tab"), "wb") as f:  # not UTF-8
+            f.write(b"odd name")
+        idx2 = await upperdiff.index(upper)
         copy, gone = upperdiff.changes(upper, idx1, idx2)
         assert "tmpdir" in gone and "new/n1" in gone and "tmpdir/t" not in gone
         delta = tmp_path / "delta"
