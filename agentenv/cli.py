@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from agentenv import __version__, cli_db, cli_sandbox
+from agentenv import __version__, cli_db, cli_sandbox, cli_timetravel
 from agentenv.config import Settings
 from agentenv.hostsetup import setup_command
 from agentenv.mcp_server import mcp_command
@@ -785,6 +785,7 @@ def snapshot_delete(snapshot_ids, api_url, api_key) -> None:
 
 cli_sandbox.register(sandbox, templates)
 cli_db.register(main, _settings)
+cli_timetravel.register(sandbox, main)  # sandbox checkpoint|rollback|checkpoints, checkpoint tree
 main.add_command(templates, "template")  # `agentenv template build`, as E2B's CLI spells it
 main.add_command(mcp_command)
 main.add_command(setup_command)  # host packages (agentenv/hostsetup/host-packages.sh)

@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     # Bandwidth cap per sandbox and direction in Mbit/s (tc tbf in the slot's netns); 0 = none.
     sandbox_bandwidth_mbit: int = Field(default=0, ge=0)
     fork_max_count: int = Field(default=16, ge=1, le=100)  # children per fork call (E2B allows up to 100)
+    # Fork, snapshot and checkpoint leave the source running where the runtime can (gVisor: frozen only
+    # for its memory image and a copy of its upper); false: the source is stopped and restored in
+    # place after its capture, as on runtimes without the ability (benchmarks compare the two).
+    capture_running: bool = True
     # Create sandboxes by restoring a pre-booted, checkpointed sandbox of the template (about 2x
     # faster than booting); built in the background at start, cold boot until it is ready.
     warm_start: bool = True

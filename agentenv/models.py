@@ -84,6 +84,9 @@ class SandboxRecord:
     # Cluster nodes only, while paused: the memory image published to the snapshot store (with the
     # layers), so that any node can resume it.
     memory_digest: str | None = None
+    # The checkpoint this sandbox's state last came from (taken, rolled back to, or created from):
+    # the parent of its next checkpoint.
+    checkpoint_id: str | None = None
 
 
 @dataclass
@@ -112,6 +115,12 @@ class SnapshotRecord:
     network: dict | None = None
     # The runtime that made the memory image (only it can restore it); None: a node's default.
     runtime: str | None = None
+    # Checkpoints (time travel): "checkpoint" for a checkpoint, None for a plain snapshot; its parent
+    # checkpoint and every ancestor, nearest first (a deleted one is skipped in the tree). Kept in
+    # the manifest only (the store's manifest is the truth).
+    kind: str | None = None
+    parent_id: str | None = None
+    ancestors: list[str] = field(default_factory=list)
 
     def to_manifest(self) -> dict:
         return {
@@ -121,7 +130,7 @@ class SnapshotRecord:
             "memoryMB": self.memory_mb, "diskSizeMB": self.disk_mb, "envVars": self.env_vars,
             "metadata": self.metadata, "sizeBytes": self.size_bytes, "restoreToken": self.restore_token,
             "createdAt": rfc3339(self.created_at), "network": self.network, "runtime": self.runtime,
-            "format": 1,
+            "format": 1, "kind": self.kind, "parentID": self.parent_id, "ancestors": self.ancestors,
         }
 
     @classmethod
@@ -134,6 +143,7 @@ class SnapshotRecord:
             disk_mb=int(m.get("diskSizeMB", 4096)), env_vars=dict(m.get("envVars", {})),
             metadata=dict(m.get("metadata", {})), size_bytes=int(m.get("sizeBytes", 0)),
             restore_token=m.get("restoreToken"), network=m.get("network"), runtime=m.get("runtime"),
+            kind=m.get("kind"), parent_id=m.get("parentID"), ancestors=list(m.get("ancestors") or []),
             created_at=datetime.fromisoformat(m["createdAt"].replace("Z", "+00:00")) if m.get("createdAt")
             else utcnow())
 

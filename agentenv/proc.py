@@ -42,6 +42,7 @@ async def run_cmd(
     check: bool = True,
     output_file: IO[bytes] | None = None,
     what: str | None = None,
+    errors: str = "replace",
 ) -> CmdResult:
     """Run `argv`, kill it (by PID) on timeout, log the command line and duration at debug level.
 
@@ -78,7 +79,7 @@ async def run_cmd(
     res = CmdResult(
         argv=argv,
         returncode=proc.returncode if proc.returncode is not None else -1,
-        stdout=(stdout_b or b"").decode(errors="replace"),
+        stdout=(stdout_b or b"").decode(errors=errors),  # "surrogateescape": file names as os.fsdecode has them
         stderr=(stderr_b or b"").decode(errors="replace"),
         duration=dur,
     )

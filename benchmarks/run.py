@@ -173,6 +173,21 @@ def wrk(url: str, *, connections: int, seconds: int, headers: dict[str, str] | N
             "seconds": seconds, "raw": out}
 
 
+def capture_times(logtxt: str) -> tuple[float, float, float] | None:
+    """(checkpoint, seal, source unavailable) of the first capture in a server log excerpt: a capture
+    that stops the source ("captured X: checkpoint C s, seal S s, source back after B s") or one
+    that leaves it running ("captured X without stopping it: frozen F s, running again after R s,
+    sealed after T s": unavailable for the freeze only)."""
+    m = re.search(r"captured \S+: checkpoint ([0-9.]+)s, seal ([0-9.]+)s, source back after ([0-9.]+)s", logtxt)
+    if m:
+        return float(m.group(1)), float(m.group(2)), float(m.group(3))
+    m = re.search(r"captured \S+ without stopping it: frozen ([0-9.]+)s, running again after ([0-9.]+)s, "
+                  r"sealed after ([0-9.]+)s", logtxt)
+    if m:
+        return float(m.group(1)), float(m.group(3)) - float(m.group(2)), float(m.group(1))
+    return None
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -753,16 +768,15 @@ class Bench:
                 t_all = time.monotonic() - t0
                 src.commands.run("true")
                 logtxt = self.srv.log_since(mark)
-                m = re.search(r"captured \S+: checkpoint ([0-9.]+)s, seal ([0-9.]+)s, source back after ([0-9.]+)s",
-                              logtxt)
+                m = capture_times(logtxt)
                 pss = []
                 if n == 4 or (n == 1 and len(counts) == 1):
                     time.sleep(2)
                     pss = [sandbox_pss_mb(k.sandbox_id)[0] for k in kids]
                 out[str(n)] = {"ok": len(kids), "errors": errs, "fork_call": t_call, "all_answer": t_all,
-                               "source_checkpoint": float(m.group(1)) if m else None,
-                               "source_seal": float(m.group(2)) if m else None,
-                               "source_paused": float(m.group(3)) if m else None,
+                               "source_checkpoint": m[0] if m else None,
+                               "source_seal": m[1] if m else None,
+                               "source_paused": m[2] if m else None,
                                "child_pss_MiB": pss}
                 log(f"fork {n}: all answered in {t_all:.2f}s, source paused {out[str(n)]['source_paused']}")
             finally:
@@ -830,12 +844,11 @@ class Bench:
                     t_back = time.monotonic() - t0
                     logtxt = self.srv.log_since(mark)
                     m = re.search(r"committed \((\d+) layers, [a-z ]+, (\d+) bytes\)", logtxt)
-                    c = re.search(r"captured \S+: checkpoint ([0-9.]+)s, seal ([0-9.]+)s, source back after ([0-9.]+)s",
-                                  logtxt)
+                    c = capture_times(logtxt)
                     row = {"kind": kind, "MiB": mb, "snapshot_call": t_snap, "source_answers_after": t_back,
                            "size_bytes": int(m.group(2)) if m else None,
-                           "checkpoint": float(c.group(1)) if c else None, "seal": float(c.group(2)) if c else None,
-                           "source_paused": float(c.group(3)) if c else None,
+                           "checkpoint": c[0] if c else None, "seal": c[1] if c else None,
+                           "source_paused": c[2] if c else None,
                            "memory_image_bytes": _newest_memory_blob(BENCH_DIR)}
                     rows.append(row)
                     log(f"snapshot {kind} {mb} MiB: {t_snap:.2f}s, {row['size_bytes']} bytes")

@@ -74,6 +74,11 @@ class Orchestrator(Protocol):
                              name: str | None = None) -> list[SnapshotRecord]: ...
     async def get_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> SnapshotRecord: ...
     async def delete_snapshot(self, snapshot_id_or_name: str, *, team_id: str) -> None: ...
+    async def create_checkpoint(self, sandbox_id: str, *, team_id: str, name: str | None = None,
+                                metadata: dict[str, str] | None = None) -> SnapshotRecord: ...
+    async def rollback_sandbox(self, sandbox_id: str, checkpoint_id: str, *, team_id: str) -> SandboxRecord: ...
+    async def list_checkpoints(self, sandbox_id: str, *, team_id: str) -> list[SnapshotRecord]: ...
+    async def checkpoint_tree(self, checkpoint_id: str, *, team_id: str) -> tuple[str, list[SnapshotRecord]]: ...
     async def list_templates(self, team_id: str | None = None) -> list[TemplateRecord]: ...
     templates: Any  # agentenv.orchestrator.templates.TemplateService: builds, tags, names
 
@@ -420,6 +425,26 @@ class _Handlers:
                                               name=body.name, memory=body.memory)
         return web.json_response(schemas.snapshot_info_json(rec), status=201)
 
+    async def create_checkpoint(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.CheckpointRequest, required=False)
+        rec = await self.orch.create_checkpoint(request.match_info["sandboxID"], team_id=request[_TEAM],
+                                                name=body.name, metadata=body.metadata)
+        return web.json_response(schemas.checkpoint_json(rec), status=201)
+
+    async def list_checkpoints(self, request: web.Request) -> web.Response:
+        recs = await self.orch.list_checkpoints(request.match_info["sandboxID"], team_id=request[_TEAM])
+        return web.json_response([schemas.checkpoint_json(r) for r in recs])
+
+    async def checkpoint_tree(self, request: web.Request) -> web.Response:
+        root, recs = await self.orch.checkpoint_tree(request.match_info["checkpointID"], team_id=request[_TEAM])
+        return web.json_response({"rootID": root, "checkpoints": [schemas.checkpoint_json(r) for r in recs]})
+
+    async def rollback(self, request: web.Request) -> web.Response:
+        body = await _body(request, schemas.RollbackRequest, required=True)
+        rec = await self.orch.rollback_sandbox(request.match_info["sandboxID"], body.checkpointID,
+                                               team_id=request[_TEAM])
+        return web.json_response({"sandboxID": rec.sandbox_id, "checkpointID": rec.checkpoint_id})
+
     async def list_snapshots(self, request: web.Request) -> web.Response:
         q = request.query
         limit = sandbox_list.parse_limit(q)
@@ -580,6 +605,10 @@ def setup_api(app: web.Application, orchestrator: Orchestrator, auth: ApiKeyAuth
     add("POST", "/sandboxes/{sandboxID}/pause", h.pause)
     add("POST", "/sandboxes/{sandboxID}/fork", h.fork)
     add("POST", "/sandboxes/{sandboxID}/snapshots", h.create_snapshot)
+    add("POST", "/sandboxes/{sandboxID}/checkpoints", h.create_checkpoint)
+    add("GET", "/sandboxes/{sandboxID}/checkpoints", h.list_checkpoints)
+    add("POST", "/sandboxes/{sandboxID}/rollback", h.rollback)
+    add("GET", "/checkpoints/{checkpointID}/tree", h.checkpoint_tree)
     add("GET", "/snapshots", h.list_snapshots)
     # Path parameters are matched percent-encoded, so IDs/names with an encoded '/' or ':' (the SDK
     # quotes them with safe="") stay one segment and arrive decoded in match_info.

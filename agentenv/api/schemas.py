@@ -137,6 +137,15 @@ class SandboxSnapshotRequest(_Body):
     memory: bool = True  # false: filesystem-only snapshot
 
 
+class CheckpointRequest(_Body):
+    name: str | None = Field(default=None, min_length=1, max_length=SNAPSHOT_NAME_MAX)
+    metadata: dict[str, str] | None = None
+
+
+class RollbackRequest(_Body):
+    checkpointID: str = Field(min_length=1, max_length=256)
+
+
 class TemplateBuildRequestV3(_Body):
     name: str | None = Field(default=None, min_length=1, max_length=256)
     alias: str | None = Field(default=None, min_length=1, max_length=256)
@@ -332,6 +341,20 @@ def snapshot_info_json(rec: SnapshotRecord) -> dict[str, Any]:
         "diskSizeMB": rec.disk_mb,
         "sizeBytes": rec.size_bytes,
         "createdAt": rfc3339(rec.created_at),
+    }
+
+
+def checkpoint_json(rec: SnapshotRecord) -> dict[str, Any]:
+    """A checkpoint (time travel): a snapshot with a parent; its id works wherever a snapshot id does."""
+    return {
+        "checkpointID": rec.snapshot_id,
+        "parentID": rec.parent_id,
+        "sandboxID": rec.source_sandbox_id,
+        "name": rec.names[0] if rec.names else None,
+        "metadata": dict(rec.metadata) if rec.kind == "checkpoint" else {},
+        "createdAt": rfc3339(rec.created_at),
+        "sizeBytes": rec.size_bytes,
+        "kind": rec.kind or "snapshot",
     }
 
 

@@ -251,6 +251,25 @@ class ClusterOrchestrator:
                               memory: bool = True) -> SnapshotRecord:
         return await self._on_owner(sandbox_id, team_id, "create_snapshot", name=name, memory=memory)
 
+    async def create_checkpoint(self, sandbox_id: str, *, team_id: str, name: str | None = None,
+                                metadata: dict[str, str] | None = None) -> SnapshotRecord:
+        return await self._on_owner(sandbox_id, team_id, "create_checkpoint", name=name, metadata=metadata)
+
+    async def rollback_sandbox(self, sandbox_id: str, checkpoint_id: str, *, team_id: str) -> SandboxRecord:
+        return await self._on_owner(sandbox_id, team_id, "rollback_sandbox", checkpoint_id=checkpoint_id)
+
+    async def list_checkpoints(self, sandbox_id: str, *, team_id: str) -> list[SnapshotRecord]:
+        try:  # the owner knows the sandbox; a killed one's checkpoints are in the shared store
+            node = await self._owner(await self._record(sandbox_id, team_id))
+        except AgentEnvError:
+            node = await self._any_node()
+        return await self.client.rpc(node.url, "list_checkpoints", sandbox_id=sandbox_id, team_id=team_id)
+
+    async def checkpoint_tree(self, checkpoint_id: str, *, team_id: str) -> tuple[str, list[SnapshotRecord]]:
+        root, recs = await self.client.rpc((await self._any_node()).url, "checkpoint_tree",
+                                           checkpoint_id=checkpoint_id, team_id=team_id)
+        return root, recs
+
     async def _any_node(self) -> NodeRecord:
         nodes = [n for n in (await self.nodes()).values() if n.state != "dead"]
         if not nodes:

@@ -221,17 +221,28 @@ class ObservabilityHandlers:
         nodes: dict[str, dict] = {}
         edges: list[dict] = []
         recs = [r for r in orch.records() if r.team_id == team]
-        snaps = await orch.store.list_snapshots(team_id=team)
+        catalog = getattr(orch, "snapshots", None)  # a node's catalog reads the store's manifests (parents)
+        snaps = await (catalog.list(team_id=team) if catalog is not None else orch.store.list_snapshots(team_id=team))
         for s in snaps:
             nodes[s.snapshot_id] = {"id": s.snapshot_id, "kind": "snapshot", "label": s.names[0] if s.names else s.snapshot_id,
-                                    "createdAt": s.created_at.isoformat()}
+                                    "createdAt": s.created_at.isoformat(), "checkpoint": s.kind == "checkpoint"}
             if s.source_sandbox_id:
-                edges.append({"from": s.source_sandbox_id, "to": s.snapshot_id, "kind": "snapshot"})
+                edges.append({"from": s.source_sandbox_id, "to": s.snapshot_id,
+                              "kind": "checkpoint" if s.kind == "checkpoint" else "snapshot"})
+            parent = next((a for a in ([s.parent_id] if s.parent_id else []) + s.ancestors
+                           if any(o.snapshot_id == a for o in snaps)), None)
+            if parent:  # the checkpoint tree (a deleted checkpoint is skipped)
+                edges.append({"from": parent, "to": s.snapshot_id, "kind": "parent"})
         for r in recs:
             nodes[r.sandbox_id] = {"id": r.sandbox_id, "kind": "sandbox", "label": r.sandbox_id,
                                    "state": r.state.public if r.state.value in ("running", "paused") else r.state.value,
                                    "templateID": r.template_id, "metadata": r.metadata,
                                    "createdAt": r.created_at.isoformat()}
+            own = [s for s in snaps if s.source_sandbox_id == r.sandbox_id and s.kind == "checkpoint"]
+            last = max(own, key=lambda s: s.created_at).snapshot_id if own else None
+            if r.checkpoint_id and r.checkpoint_id not in (r.snapshot_id, last) and r.checkpoint_id in nodes:
+                # its state came from a checkpoint it did not just take: a rollback
+                edges.append({"from": r.checkpoint_id, "to": r.sandbox_id, "kind": "rollback"})
             if r.parent_id:
                 edges.append({"from": r.parent_id, "to": r.sandbox_id, "kind": "fork"})
             elif r.snapshot_id:

@@ -73,8 +73,11 @@ class SnapshotCatalog:
         await self._gc_artifacts()
         log.info("deleted snapshot %s", snap.snapshot_id)
 
-    async def commit(self, rec: SandboxRecord, mem: str, *, name: str | None, memory: bool) -> SnapshotRecord:
-        """A captured sandbox (its layers in `rec`, its memory image `mem`) as a published snapshot."""
+    async def commit(self, rec: SandboxRecord, mem: str, *, name: str | None, memory: bool,
+                     checkpoint: tuple[str | None, list[str], dict[str, str]] | None = None) -> SnapshotRecord:
+        """A captured sandbox (its layers in `rec`, its memory image `mem`) as a published snapshot.
+
+        `checkpoint`: (parent id, ancestors nearest first, metadata) makes it a checkpoint."""
         sandbox_id = rec.sandbox_id
         size = sum(self.artifacts.local.blob_path("layers", d).stat().st_size for d in rec.layers)
         if memory:
@@ -87,6 +90,8 @@ class SnapshotCatalog:
             metadata=dict(rec.metadata), size_bytes=size, restore_token=rec.envd_access_token,
             network={"allow_internet_access": rec.allow_internet_access, "network": rec.network},
             runtime=rec.runtime)
+        if checkpoint is not None:
+            snap.kind, snap.parent_id, snap.ancestors, snap.metadata = "checkpoint", *checkpoint
         try:
             await self.artifacts.publish(snap)
         except Exception as e:  # noqa: BLE001 - the manifest goes last: nothing half-published is visible

@@ -220,13 +220,13 @@ async def _fork(req: ops.ForkSandbox, call: Call, peek: Peek, emit) -> Any:
     return results
 
 
-async def _snapshot(req: ops.CreateSnapshot, call: Call, peek: Peek, emit) -> Any:
+async def _snapshot(req: ops.CreateSnapshot | ops.CreateCheckpoint, call: Call, peek: Peek, emit) -> Any:
     src = peek(req.sandbox_id)
     t0 = time.monotonic()
     try:
         snap = await call()
     except BaseException as e:
-        emit(Failed("snapshot", req.sandbox_id, _team(src, req.team_id), e))
+        emit(Failed(req.op, req.sandbox_id, _team(src, req.team_id), e))
         raise
     emit(Snapshotted(req.sandbox_id, snap, time.monotonic() - t0))
     return snap
@@ -257,5 +257,6 @@ _OBSERVERS: dict[type, Callable[..., Awaitable[Any]]] = {
     ops.WakeSandbox: _wake,
     ops.ForkSandbox: _fork,
     ops.CreateSnapshot: _snapshot,
+    ops.CreateCheckpoint: _snapshot,
     ops.KillSandbox: _kill,
 }

@@ -6,7 +6,9 @@ template builds) brings sandboxes up, captures and tears them down through this 
 - bring-up  = rootfs mount + network slot (in parallel) → spec → start or restore → slot up →
               envd healthy → `/init` (`bring_up`; `prepare` + `launch` + `init_envd` separately)
 - capture   = checkpoint (`checkpoint`) + seal (`seal`: unmount → upper into a layer → memory
-              image into an artifact); `capture` is both, in that order
+              image into an artifact); `capture` is both, in that order. Where the runtime can
+              (`traits.captures_running`), `checkpoint_running` + `seal_copy` instead: frozen for the
+              memory image and a copy of the upper, then thawed: the sandbox keeps running
 - teardown  = close host-side connections → runtime stop → slot release → rootfs release
 - drain     = `quiesce` (the proxy's connections) and the in-sandbox reset before a checkpoint
 
@@ -77,6 +79,7 @@ class SandboxHost:
         self.slots: dict[str, NetSlot] = {}
         self.host_token = self._load_host_token()
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
+        self._pinned_layers: dict[str, int] = {}  # layers of captures not committed yet
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
 
@@ -126,6 +129,20 @@ class SandboxHost:
 
     def pinned(self) -> set[str]:
         return set(self._pinned_memory)
+
+    def pin_layer(self, digest: str) -> None:
+        """Keep a layer from GC while no record or snapshot names it yet (a capture being committed)."""
+        self._pinned_layers[digest] = self._pinned_layers.get(digest, 0) + 1
+
+    def unpin_layer(self, digest: str) -> None:
+        n = self._pinned_layers.get(digest, 0) - 1
+        if n <= 0:
+            self._pinned_layers.pop(digest, None)
+        else:
+            self._pinned_layers[digest] = n
+
+    def pinned_layers(self) -> set[str]:
+        return set(self._pinned_layers)
 
     async def pin_memory(self, digest: str) -> Path:
         """The memory image `digest` (pulled if this node lacks it), kept from GC until `unpin`."""
@@ -308,12 +325,29 @@ class SandboxHost:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise
+        self.record_boot_id(sid, image_dir)
+
+    def record_boot_id(self, sid: str, image_dir: Path) -> None:
         boot_id = self.sandbox_dir(sid) / BOOT_ID_FILE
         try:  # the boot this image continues (`write_boot_id`); without it a restore is a new boot_id
             if boot_id.is_file():
                 shutil.copyfile(boot_id, image_dir / BOOT_ID_FILE)
         except OSError as e:
             log.warning("could not record the boot_id of %s in its image: %s", sid, e)
+
+    def captures_running(self, rec: SandboxRecord) -> bool:
+        """Whether the sandbox's runtime can capture it and leave it running (`checkpoint_running`)."""
+        return self.settings.capture_running and self.runtime_for(rec.sandbox_id, rec.runtime).traits.captures_running
+
+    def unpin_layers(self, digests: Iterable[str]) -> None:
+        for d in digests:
+            self.unpin_layer(d)
+
+    def unpin_sealed(self, sealed: Sealed) -> None:
+        if sealed.layer:
+            self.unpin_layer(sealed.layer)
+        if sealed.memory:
+            self.unpin(sealed.memory)
 
     async def seal(self, sandbox_id: str, image: Path | None, *, keep_disk: bool = False,
                    on_layer: Callable[[str | None], Awaitable[None]] | None = None) -> Sealed:

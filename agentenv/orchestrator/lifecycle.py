@@ -32,6 +32,8 @@ TRANSITIONS: dict[S, dict[str, tuple[S, S]]] = {
         "pause": (S.PAUSING, S.PAUSED),
         "snapshot": (S.SNAPSHOTTING, S.RUNNING),
         "fork": (S.FORKING, S.RUNNING),
+        "checkpoint": (S.SNAPSHOTTING, S.RUNNING),
+        "rollback": (S.RESUMING, S.RUNNING),
         "kill": (S.KILLING, S.KILLED),
         "expire": (S.KILLING, S.KILLED),
         "expire_pause": (S.PAUSING, S.PAUSED),
@@ -53,6 +55,14 @@ _MESSAGES: dict[tuple[S, str], str] = {
     (S.PAUSED, "snapshot"): "Sandbox {id} is paused; resume it before taking a snapshot",
     (S.FORKING, "snapshot"): "Sandbox {id} is being forked; try again when the fork is done",
     (S.SNAPSHOTTING, "fork"): "Sandbox {id} is being snapshotted; try again when the snapshot is done",
+    (S.PAUSED, "checkpoint"): "Sandbox {id} is paused; resume it before taking a checkpoint",
+    (S.PAUSED, "rollback"): "Sandbox {id} is paused; resume it before rolling it back",
+    (S.SNAPSHOTTING, "rollback"): "Sandbox {id} is being captured; roll it back when the capture is done",
+    (S.FORKING, "rollback"): "Sandbox {id} is being forked; roll it back when the fork is done",
+    (S.RESUMING, "checkpoint"): "Sandbox {id} is being restored (rollback or resume); try again when it is done",
+    (S.RESUMING, "rollback"): "Sandbox {id} is already being rolled back or resumed; try again when it is done",
+    (S.FORKING, "checkpoint"): "Sandbox {id} is being forked; try again when the fork is done",
+    (S.SNAPSHOTTING, "checkpoint"): "Sandbox {id} is being captured; try again when the capture is done",
 }
 
 

@@ -122,6 +122,56 @@ class CreateSnapshot(Request):
 
 
 @dataclass(frozen=True)
+class CreateCheckpoint(Request):
+    """Time travel: capture a running sandbox (it keeps running) as a checkpoint with a parent."""
+
+    op: ClassVar[str] = "checkpoint"
+    sandbox_id: str
+    team_id: str = field(kw_only=True)
+    name: str | None = field(default=None, kw_only=True)
+    metadata: dict[str, str] | None = field(default=None, kw_only=True)
+
+    def validated(self, settings: Settings) -> "CreateCheckpoint":
+        if self.name is not None and not (0 < len(self.name) <= 128 and self.name.isprintable()):
+            raise BadRequest("checkpoint name must be 1-128 printable characters")
+        meta = self.metadata or {}
+        if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+            raise BadRequest("checkpoint metadata must be an object of string values")
+        if len(meta) > 64 or sum(len(k) + len(v) for k, v in meta.items()) > 16384:
+            raise BadRequest("checkpoint metadata is limited to 64 keys and 16 KiB")
+        return replace(self, metadata=dict(meta))
+
+
+@dataclass(frozen=True)
+class RollbackSandbox(Request):
+    """Time travel: replace a running sandbox's memory, processes and files with a checkpoint's."""
+
+    op: ClassVar[str] = "rollback"
+    sandbox_id: str
+    checkpoint_id: str
+    team_id: str = field(kw_only=True)
+
+    def validated(self, settings: Settings) -> "RollbackSandbox":
+        if not isinstance(self.checkpoint_id, str) or not self.checkpoint_id:
+            raise BadRequest("checkpointID is required")
+        return self
+
+
+@dataclass(frozen=True)
+class ListCheckpoints(Request):
+    op: ClassVar[str] = "list_checkpoints"
+    sandbox_id: str
+    team_id: str = field(kw_only=True)
+
+
+@dataclass(frozen=True)
+class CheckpointTree(Request):
+    op: ClassVar[str] = "checkpoint_tree"
+    checkpoint_id: str
+    team_id: str = field(kw_only=True)
+
+
+@dataclass(frozen=True)
 class SetTimeout(Request):
     op: ClassVar[str] = "set_timeout"
     sandbox_id: str
@@ -231,6 +281,10 @@ RPC: dict[str, type[Request]] = {
     "adopt_sandbox": AdoptSandbox,
     "release_sandbox": ReleaseSandbox,
     "update_network": UpdateNetwork,
+    "create_checkpoint": CreateCheckpoint,
+    "rollback_sandbox": RollbackSandbox,
+    "list_checkpoints": ListCheckpoints,
+    "checkpoint_tree": CheckpointTree,
 }
 
 

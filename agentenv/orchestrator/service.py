@@ -7,7 +7,8 @@ here. The handlers compose the parts, each in a module of its own:
 - `host`      bring-up, capture (checkpoint + seal), drain, teardown of one sandbox
 - `lifecycle` legal transitions, per-sandbox locks, the live records: the only writer of a state
 - `admission` node capacity and team quotas
-- `pausing`   pause / resume;  `capture`: fork and snapshot captures (never lose the source)
+- `pausing`   pause / resume;  `capture`: fork, snapshot and checkpoint captures (never lose the source)
+- `timetravel` checkpoints with parents, rollback in place, the checkpoint tree
 - `warm`      per-template warm images;  `catalog`: snapshots;  `routing`: the traffic resolver
 - `templates` template builds (over the host)
 
@@ -42,6 +43,7 @@ from agentenv.orchestrator.pausing import PauseResume
 from agentenv.orchestrator.starting import Starts
 from agentenv.orchestrator.routing import Route, TrafficResolver, wakeable  # noqa: F401 - Route: public name
 from agentenv.orchestrator.templates import TemplateService
+from agentenv.orchestrator.timetravel import TimeTravel
 from agentenv.orchestrator.warm import WarmImages
 from agentenv.runtimes.base import Runtime
 from agentenv.state.base import StateStore
@@ -80,6 +82,7 @@ class Orchestrator:
         self.templates = TemplateService(self.host, store, self.gc_artifacts)
         self.starts = Starts(settings, store, self.host, self.lifecycle, self.admission, self.warm, self.snapshots,
                              self.templates)
+        self.timetravel = TimeTravel(self.host, self.lifecycle, self.captures, self.snapshots, self.gc_artifacts)
         self.resolver = TrafficResolver(self.lifecycle.get, self.lifecycle.records, self.host.slots,
                                         self.resume_on_traffic)
         self._reaper: asyncio.Task | None = None
@@ -94,6 +97,8 @@ class Orchestrator:
             ops.GetSnapshot: lambda r: self.snapshots.get(r.snapshot_id_or_name, team_id=r.team_id),
             ops.DeleteSnapshot: lambda r: self.snapshots.delete(r.snapshot_id_or_name, team_id=r.team_id),
             ops.AdoptSandbox: self._adopt, ops.ReleaseSandbox: self._release,
+            ops.CreateCheckpoint: self.timetravel.checkpoint, ops.RollbackSandbox: self.timetravel.rollback,
+            ops.ListCheckpoints: self.timetravel.list_for, ops.CheckpointTree: self.timetravel.tree,
         }
 
     # The seams, as they were composed (API, observability, CLI and templates read them).
@@ -136,6 +141,10 @@ class Orchestrator:
     delete_snapshot = _entry(ops.DeleteSnapshot)
     adopt_sandbox = _entry(ops.AdoptSandbox)
     release_sandbox = _entry(ops.ReleaseSandbox)
+    create_checkpoint = _entry(ops.CreateCheckpoint)
+    rollback_sandbox = _entry(ops.RollbackSandbox)
+    list_checkpoints = _entry(ops.ListCheckpoints)
+    checkpoint_tree = _entry(ops.CheckpointTree)
 
     # ------------------------------------------------------------------ runtimes
 
@@ -200,6 +209,7 @@ class Orchestrator:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
         layers, memory = self.warm.artifacts_in_use()
         memory |= self.host.pinned()
+        layers |= self.host.pinned_layers()
         t_layers, t_memory = await self.templates.artifacts_in_use()
         layers |= t_layers
         memory |= t_memory
@@ -446,15 +456,15 @@ class Orchestrator:
 
     async def _fork_admitted(self, req: ops.ForkSandbox) -> list[SandboxRecord | AgentEnvError]:
         t0 = time.monotonic()
-        rec, mem = await self.captures.locked(req.sandbox_id, req.team_id, "fork")
+        got = await self.captures.locked(req.sandbox_id, req.team_id, "fork")
         source_back = time.monotonic() - t0
         try:
-            children = [self.starts.child_of(rec, req.timeout) for _ in range(req.count)]
-            mem_dir = self.host.artifacts.memory_dir(mem)
+            children = [self.starts.child_of(got.view, req.timeout) for _ in range(req.count)]
+            mem_dir = self.host.artifacts.memory_dir(got.memory)
 
             async def one(child: SandboxRecord) -> SandboxRecord | AgentEnvError:
                 try:
-                    await self.starts.spawn(child, restore_from=mem_dir, restore_token=rec.envd_access_token)
+                    await self.starts.spawn(child, restore_from=mem_dir, restore_token=got.view.envd_access_token)
                     return child
                 except AgentEnvError as e:
                     return e
@@ -463,21 +473,22 @@ class Orchestrator:
 
             results = await asyncio.gather(*(one(c) for c in children))
         finally:
-            self.host.unpin(mem)
+            self.captures.release(got)
         ok = sum(1 for r in results if isinstance(r, SandboxRecord))
-        log.info("forked %s into %d/%d children in %.3fs (source paused %.3fs)", req.sandbox_id, ok, req.count,
-                 time.monotonic() - t0, source_back)
+        log.info("forked %s into %d/%d children in %.3fs (source %s %.3fs)", req.sandbox_id, ok, req.count,
+                 time.monotonic() - t0, "frozen" if got.frozen_s is not None else "away",
+                 got.frozen_s if got.frozen_s is not None else source_back)
         await self.gc_artifacts()
         return list(results)
 
     async def _snapshot(self, req: ops.CreateSnapshot) -> SnapshotRecord:
         """Commit the sandbox's current state (filesystem layers, + memory unless filesystem-only)."""
         self.lifecycle.live(req.sandbox_id, req.team_id)
-        rec, mem = await self.captures.locked(req.sandbox_id, req.team_id, "snapshot")
+        got = await self.captures.locked(req.sandbox_id, req.team_id, "snapshot")
         try:
-            snap = await self.snapshots.commit(rec, mem, name=req.name, memory=req.memory)
+            snap = await self.snapshots.commit(got.view, got.memory, name=req.name, memory=req.memory)
         finally:
-            self.host.unpin(mem)
+            self.captures.release(got)
         await self.gc_artifacts()
         log.info("snapshot %s of %s committed (%d layers, %s, %d bytes)", snap.snapshot_id, req.sandbox_id,
                  len(snap.layers), "memory" if req.memory else "filesystem only", snap.size_bytes)

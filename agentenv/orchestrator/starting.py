@@ -100,7 +100,7 @@ class Starts:
             network=req.network, runtime=runtime,
             image=(snap.image if snap else build.image if build else tmpl.image),
             layers=list(snap.layers) if snap else list(build.layers) if build else [],
-            snapshot_id=snap.snapshot_id if snap else None)
+            snapshot_id=snap.snapshot_id if snap else None, checkpoint_id=snap.snapshot_id if snap else None)
         trace.name_sandbox(rec.sandbox_id)
         if req.network and req.network.get("allowPublicTraffic") is False:
             rec.traffic_access_token = secrets.token_urlsafe(24)

@@ -7,6 +7,7 @@ checkpoint/restore are the hooks lifecycle operations (pause, snapshot, fork) bu
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -54,6 +55,9 @@ class RuntimeTraits:
     envd_timeout_s: float = 60.0      # how long envd may take to answer after a start or restore
     resets_connections: bool = False  # checkpoint(reset_connections=...) (gVisor >= 20240729)
     may_stay_frozen: bool = False     # a capture interrupted by a restart can leave it frozen: state()/resume()
+    # checkpoint_running(): capture memory while the sandbox keeps running (frozen only for the image
+    # and a callback that captures its disk at the same instant); without it a capture stops the sandbox
+    captures_running: bool = False
 
 
 class Runtime(Protocol):
@@ -81,6 +85,13 @@ class Runtime(Protocol):
     async def checkpoint(self, sandbox_id: str, image_dir: Path, **options: bool) -> None:
         """Write memory + runtime state to image_dir. The sandbox is stopped afterwards.
         `reset_connections=` only where `traits.resets_connections`."""
+
+    async def checkpoint_running(self, sandbox_id: str, image_dir: Path, *,
+                                 while_frozen: Callable[[], Awaitable[None]], **options: bool) -> float:
+        """Only where `traits.captures_running`: freeze, write memory + runtime state to image_dir, run
+        `while_frozen` (the caller captures the disk at the same instant), thaw. The sandbox keeps
+        running; if anything fails it is thawed and `CaptureRefused` says why. Returns the seconds
+        it was frozen."""
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         """Start a sandbox from a checkpoint (possibly into another slot/rootfs: a fork child)."""

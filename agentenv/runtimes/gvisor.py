@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -199,12 +200,13 @@ class GVisorRuntime:
         self._overlay_flag: str | None = None
         self._old_runsc: bool | None = None
         self._flags_lock = asyncio.Lock()
+        self._frozen_at: dict[str, float] = {}  # sandbox id -> when its capture froze it
 
     # ---------------------------------------------------------------- plumbing
 
     @property
     def traits(self) -> RuntimeTraits:
-        return RuntimeTraits(resets_connections=self.modern, may_stay_frozen=True)
+        return RuntimeTraits(resets_connections=self.modern, may_stay_frozen=True, captures_running=self.modern)
 
     async def close(self) -> None:
         """Nothing held across sandboxes (each runsc call is its own process)."""
@@ -351,6 +353,45 @@ class GVisorRuntime:
         # (files it holds open renamed or deleted), and the image would not restore on that disk
         await asyncio.shield(self.stop(sandbox_id))
 
+    async def checkpoint_running(self, sandbox_id: str, image_dir: Path, *,
+                                 while_frozen: Callable[[], Awaitable[None]], reset_connections: bool = False) -> float:
+        """Write the sandbox's memory image to `image_dir` and keep it running: frozen (`runsc pause`)
+        for the image and `while_frozen` (the caller copies its disk: the two describe one instant),
+        then thawed. A failure anywhere thaws it and raises `CaptureRefused` (RuntimeFailure if it
+        died); a refused image leaves nothing in `image_dir`. Returns how long it was frozen (from
+        `runsc pause` until `runsc resume` returned), in seconds."""
+        if not self.modern:
+            raise CaptureRefused("this runsc cannot checkpoint a sandbox and leave it running")
+        netns_path = await self._netns_of(sandbox_id)
+        st = await self._state(sandbox_id)
+        log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
+        image_dir.mkdir(parents=True, exist_ok=True)
+        await self._save_frozen(sandbox_id, image_dir, reset_connections, netns_path, log_file)
+        t_image = time.monotonic()
+        try:
+            await while_frozen()
+        except BaseException as e:
+            await asyncio.shield(self._thaw(sandbox_id))
+            if isinstance(e, Exception) and await self.state(sandbox_id) == "running":
+                raise CaptureRefused(f"capturing the disk of the frozen sandbox failed: {e}; "
+                                     "the sandbox keeps running unchanged") from e
+            raise
+        t_disk = time.monotonic()
+        await self._thaw(sandbox_id)
+        t_end = time.monotonic()
+        t0 = self._frozen_at.pop(sandbox_id, t_image)
+        log.info("sandbox %s frozen %.3fs: pause + image %.3fs, disk %.3fs, resume %.3fs", sandbox_id, t_end - t0,
+                 t_image - t0, t_disk - t_image, t_end - t_disk)
+        return t_end - t0
+
+    async def _thaw(self, sandbox_id: str) -> None:
+        res = await self._runsc("resume", sandbox_id, check=False)
+        if res.returncode != 0 and await self.state(sandbox_id) != "running":
+            res = await self._runsc("resume", sandbox_id, check=False)  # once more, then say so
+            if res.returncode != 0:
+                raise RuntimeFailure(f"runsc resume {sandbox_id} after its checkpoint failed: "
+                                     f"{res.stderr.strip()[-500:]}")
+
     async def _save_frozen(self, sandbox_id: str, image_dir: Path, reset_connections: bool, netns_path: str,
                            log_file: Path | None) -> None:
         """Freeze the sandbox and write its memory image with `--leave-running`: on success it is left
@@ -372,6 +413,7 @@ class GVisorRuntime:
             if res.returncode != 0:
                 await self._refused(sandbox_id, log_file, "resetting its connections", frozen=False)
             await asyncio.sleep(RESET_SETTLE_S)
+        self._frozen_at[sandbox_id] = time.monotonic()
         await self._runsc("pause", sandbox_id)
         res = await self._runsc("checkpoint", "--leave-running", f"--image-path={image_dir}", compression,
                                 sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,

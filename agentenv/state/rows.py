@@ -44,6 +44,7 @@ def sandbox_values(rec: SandboxRecord) -> dict[str, Any]:
         "slot": rec.slot, "runtime": rec.runtime, "node_id": rec.node_id, "parent_id": rec.parent_id,
         "snapshot_id": rec.snapshot_id, "created_at": ts(rec.created_at), "image": rec.image,
         "layers": json.dumps(list(rec.layers)), "pause_mode": rec.pause_mode, "memory_digest": rec.memory_digest,
+        "checkpoint_id": rec.checkpoint_id,
     }
 
 
@@ -59,6 +60,7 @@ def sandbox(row: Row) -> SandboxRecord:
         slot=row["slot"], runtime=row["runtime"], node_id=row["node_id"], parent_id=row["parent_id"],
         snapshot_id=row["snapshot_id"], created_at=dt(row["created_at"]), image=row["image"],
         layers=json.loads(row["layers"]), pause_mode=row["pause_mode"], memory_digest=row["memory_digest"],
+        checkpoint_id=row["checkpoint_id"],
     )
 
 

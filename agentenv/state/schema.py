@@ -83,6 +83,7 @@ sandboxes = Table(
     _json("layers", "[]"),
     Column("pause_mode", Text),
     Column("memory_digest", Text),
+    Column("checkpoint_id", Text),  # the checkpoint the sandbox's state last came from (revision 0002)
     Index("sandboxes_team_state", "team_id", "state"),
     Index("sandboxes_node", "node_id"),
 )

@@ -165,3 +165,27 @@ def test_template_builds_through_the_gateway_are_refused_with_a_reason(cluster):
         r = requests.request(method, base + path, json=body, headers=headers, timeout=30)
         assert r.status_code == 501, (path, r.status_code, r.text)
         assert r.json()["code"] == 501 and "cluster gateway" in r.json()["message"], r.text
+
+
+def test_time_travel_through_the_gateway(cluster):
+    """Checkpoint, rollback, the sandbox's checkpoints and the tree are routed to the owning node."""
+    from agentenv.client.timetravel import TimeTravel
+
+    opts = cluster.sdk_opts()
+    tt = TimeTravel(api_url=cluster.gateway.url, api_key=cluster.api_key)
+    sbx = Sandbox.create(timeout=600, **opts)
+    try:
+        sbx.files.write("/home/user/state", "one")
+        c1 = tt.checkpoint(sbx.sandbox_id, name=f"gw-{sbx.sandbox_id}")
+        sbx.files.write("/home/user/state", "two")
+        c2 = tt.checkpoint(sbx.sandbox_id)
+        assert c2.parent_id == c1.checkpoint_id
+        tt.rollback(sbx.sandbox_id, c1.checkpoint_id)
+        assert sbx.files.read("/home/user/state") == "one"
+        assert [c.checkpoint_id for c in tt.checkpoints(sbx.sandbox_id)] == [c1.checkpoint_id, c2.checkpoint_id]
+        tree = tt.tree(c2.checkpoint_id)
+        assert tree.root_id == c1.checkpoint_id and len(tree.checkpoints) == 2
+        for c in (c2, c1):
+            tt.delete(c.checkpoint_id)
+    finally:
+        Sandbox.kill(sbx.sandbox_id, **opts)

@@ -412,16 +412,20 @@ def _runsc_status(data_dir: Path, sid: str) -> str | None:
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("when", ["frozen", "journaled", "sealed"])
+@pytest.mark.parametrize("when", ["frozen", "journaled", "sealed", "sealing-running"])
 def test_server_killed_mid_fork_keeps_source(server, when):
     """kill -9 of the server's process group mid-fork: `frozen` while the source is frozen for its
     checkpoint, `journaled` once the checkpoint is written (the source is stopped, its capture
     journal names the image), `sealed` once the image is sealed and the source is being restored
-    from it. After a restart the source is RUNNING or PAUSED with its state, and no capture
-    journal is left to resurrect an old image later."""
+    from it (these three on the capture that stops the source: AGENTENV_CAPTURE_RUNNING=false);
+    `sealing-running` while a capture that left the source running seals its image. After a
+    restart the source is RUNNING or PAUSED with its state, and no capture journal (or scratch
+    copy) is left to resurrect an old image later."""
     d = new_data_dir(f"forkcrash-{when}")
     key = new_api_key()
     env = dict(AGENTENV_WARM_START="false")
+    if not when.endswith("-running"):
+        env["AGENTENV_CAPTURE_RUNNING"] = "false"
     first = second = None
     pgid = None
     try:
@@ -448,6 +452,9 @@ def test_server_killed_mid_fork_keeps_source(server, when):
                 landed = "checkpoint written (capture journal present)"
             elif when == "sealed" and '"memory"' in _read(sdir / "capture.json"):
                 landed = "image sealed, source being restored (journal names the memory image)"
+            elif when == "sealing-running" and (sdir / "capture").is_dir() \
+                    and not (sdir / "capture-upper").exists() and _runsc_status(d, sid) == "running":
+                landed = "source thawed, its image being sealed"
             else:
                 time.sleep(0.005)
         pgid = first.pid
@@ -473,6 +480,9 @@ def test_server_killed_mid_fork_keeps_source(server, when):
         assert info.state in (SandboxState.RUNNING, SandboxState.PAUSED), info.state
         if when == "journaled":
             assert info.state == SandboxState.PAUSED, "a source stopped after its checkpoint must come back paused"
+        if when.endswith("-running"):
+            assert info.state == SandboxState.RUNNING, "a source left running by its capture must run on"
+            assert not [p.name for p in sdir.glob("capture*")], "a capture's scratch copy outlived the restart"
         assert not (sdir / "capture.json").exists(), "the capture journal outlived the recovery"
         again = Sandbox.connect(sid, timeout=TIMEOUT_S, **o2)
         _assert_intact(second, again, before, f"source after a server crash mid-fork ({when})")

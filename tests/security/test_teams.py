@@ -50,6 +50,9 @@ CONTROL_CALLS = [
     ("POST", "/sandboxes/{id}/pause", {}),
     ("POST", "/sandboxes/{id}/fork", {"count": 1}),
     ("POST", "/sandboxes/{id}/snapshots", {}),
+    ("POST", "/sandboxes/{id}/checkpoints", {}),
+    ("GET", "/sandboxes/{id}/checkpoints", None),
+    ("POST", "/sandboxes/{id}/rollback", {"checkpointID": "s0000000000000000000"}),
 ]
 
 
@@ -81,6 +84,7 @@ def test_team_b_cannot_use_team_a_snapshots(server, team_b_key, victim):
                                         Sandbox.list_snapshots(api_key=team_b_key).next_items()}
         _same_as_missing(server, team_b_key, "GET", "/snapshots/{id}", snap.snapshot_id)
         _same_as_missing(server, team_b_key, "DELETE", "/snapshots/{id}", snap.snapshot_id)
+        _same_as_missing(server, team_b_key, "GET", "/checkpoints/{id}/tree", snap.snapshot_id)
         for body in ({"templateID": snap.snapshot_id}, ):
             r = api(server, "POST", "/v2/sandboxes", team_b_key, json=body)
             assert r.status_code == 404 and "team" not in r.text.lower(), r.text
