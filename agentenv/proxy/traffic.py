@@ -382,7 +382,8 @@ class TrafficProxy:
             headers[FORWARDED_PREFIX_HEADER] = target.prefix
         remote = request.remote or ""
         prior = request.headers.get("X-Forwarded-For")
-        headers["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
+        if remote or not prior:  # behind HAProxy (a unix socket) the client is already in `prior`
+            headers["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
         headers.setdefault("X-Forwarded-Proto", request.scheme)
         if request.host:
             headers.setdefault("X-Forwarded-Host", request.host)

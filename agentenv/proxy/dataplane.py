@@ -1,0 +1,89 @@
+"""Choosing and wiring the data plane of `agentenv serve` (settings.data_plane; docs/proxy.md).
+
+`plan` decides where the public listeners live: HAProxy's (with the Python server on a unix socket
+behind it) or the Python server's own TCP listener (`data_plane = "python"`, or "auto" without a
+`haproxy` binary). `attach` connects a started `DataPlane` to the orchestrator: lifecycle events
+mark sandboxes for a route update, and a sandbox about to stop leaves the fast path first.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentenv.config import Settings
+from agentenv.proxy.haproxy import DataPlane, HaproxyLayout, haproxy_binary, sock_dir_for
+from agentenv.proxy.tls import TlsFiles, prepare
+
+log = logging.getLogger(__name__)
+
+
+class DataPlaneError(Exception):
+    """The configured data plane cannot run (a message for the operator)."""
+
+
+@dataclass
+class Plan:
+    haproxy: str | None       # the binary, or None: the Python proxy serves traffic on its own listener
+    reason: str
+    tls: TlsFiles | None = None
+
+
+def plan(settings: Settings) -> Plan:
+    binary = haproxy_binary(settings.haproxy_path)
+    if settings.data_plane == "python":
+        chosen = Plan(None, "data_plane = python")
+    elif binary is None:
+        if settings.data_plane == "haproxy":
+            raise DataPlaneError(f"data_plane = haproxy but {settings.haproxy_path!r} is not installed "
+                                 "(apt-get install haproxy)")
+        chosen = Plan(None, "haproxy is not installed: the Python proxy serves sandbox traffic")
+    else:
+        chosen = Plan(binary, f"haproxy ({binary})")
+    if settings.https_bind:
+        if chosen.haproxy is None:
+            raise DataPlaneError(f"https_bind needs the haproxy data plane ({chosen.reason})")
+        if not settings.domain:
+            raise DataPlaneError("https_bind needs AGENTENV_DOMAIN (the certificate is for *.<domain>)")
+        try:
+            chosen.tls = prepare(settings.data_dir / "tls", settings.domain, settings.tls_cert, settings.tls_key)
+        except (OSError, ValueError) as e:
+            raise DataPlaneError(f"TLS: {e}") from e
+    return chosen
+
+
+def layout(settings: Settings) -> HaproxyLayout:
+    return HaproxyLayout(settings.data_dir / "haproxy", sock_dir_for(settings.data_dir))
+
+
+def make(settings: Settings, chosen: Plan, orch: Any) -> DataPlane:
+    assert chosen.haproxy is not None
+    http_bind = f"{settings.host}:{settings.port}" if ":" not in settings.host else f"[{settings.host}]:{settings.port}"
+    return DataPlane(chosen.haproxy, layout(settings), orch, http_bind=http_bind,
+                     https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None)
+
+
+def attach(dp: DataPlane, orch: Any) -> None:
+    """Route updates from the orchestrator's lifecycle events; leave the fast path before a stop."""
+
+    def on_event(event: Any) -> None:
+        ids = [getattr(event, "sandbox_id", None)]
+        rec = getattr(event, "rec", None)
+        if rec is not None:
+            ids.append(rec.sandbox_id)
+        ids += [c.sandbox_id for c in getattr(event, "children", ())]
+        dp.routes.mark(*ids)
+
+    async def before_stop(sandbox_id: str) -> None:
+        slot = orch.host.slots.get(sandbox_id)
+        await dp.before_stop(sandbox_id, slot.host_ip if slot is not None else None)
+
+    orch.events.subscribe(on_event)
+    # First: HAProxy stops sending new requests before the Python proxy closes its connections.
+    orch.on_before_stop.insert(0, before_stop)
+
+
+def app_socket(settings: Settings) -> Path:
+    return layout(settings).app_socket
