@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from agentenv.config import Settings
@@ -58,10 +59,27 @@ def layout(settings: Settings) -> HaproxyLayout:
     return HaproxyLayout(settings.data_dir / "haproxy", sock_dir_for(settings.data_dir))
 
 
+class OrchestratorRoutes:
+    """`haproxy.RouteSource` over the orchestrator: running sandboxes and their slot addresses."""
+
+    def __init__(self, orch: Any) -> None:
+        self._orch = orch
+
+    def running_routes(self) -> Any:
+        return self._orch.running_routes()
+
+    def route_for(self, sandbox_id: str) -> Any | None:
+        rec = self._orch.peek(sandbox_id)
+        slot = self._orch.host.slots.get(sandbox_id)
+        if rec is None or slot is None or rec.state.value != "running":
+            return None
+        return SimpleNamespace(host_ip=slot.host_ip, traffic_access_token=rec.traffic_access_token)
+
+
 def make(settings: Settings, chosen: Plan, orch: Any) -> DataPlane:
     assert chosen.haproxy is not None
     http_bind = f"{settings.host}:{settings.port}" if ":" not in settings.host else f"[{settings.host}]:{settings.port}"
-    return DataPlane(chosen.haproxy, layout(settings), orch, http_bind=http_bind,
+    return DataPlane(chosen.haproxy, layout(settings), OrchestratorRoutes(orch), http_bind=http_bind,
                      https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None)
 
 

@@ -33,16 +33,19 @@ log = logging.getLogger(__name__)
 
 # Commands per runtime-API line stay under HAProxy's 16 KiB CLI buffer.
 _LINE_BYTES = 8000
-_RECONCILE_S = 2.0
+_RECONCILE_S = 5.0
 _RESTART_DELAY_S = (0.5, 1.0, 2.0, 5.0)
 _SS_USER = re.compile(r'\("haproxy",pid=(\d+),')
 _SS_LOCAL_PORT = re.compile(r":(\d+)$")
 
 
 class RouteSource(Protocol):
-    """What the route table reads (the orchestrator): running sandboxes with their slot address."""
+    """What the route table reads: every running sandbox with its slot address (a full reconcile),
+    and one sandbox's route or None (an update after an event: O(1), however many sandboxes run)."""
 
     def running_routes(self) -> Iterable[Any]: ...
+
+    def route_for(self, sandbox_id: str) -> Any | None: ...
 
 
 def haproxy_binary(path: str = "haproxy") -> str | None:
@@ -150,9 +153,24 @@ class RouteTable:
         async with self._lock:
             return await self._sync(only)
 
+    def _desired_for(self, ids: set[str]) -> tuple[dict[str, str], dict[str, str]]:
+        routes: dict[str, str] = {}
+        tokens: dict[str, str] = {}
+        for sid in ids:
+            r = None if sid in self._held else self._source.route_for(sid)
+            if r is not None and r.host_ip:
+                routes[sid] = r.host_ip
+                if r.traffic_access_token:
+                    tokens[sid] = r.traffic_access_token
+        return routes, tokens
+
     async def _sync(self, only: set[str] | None) -> int:
-        routes, tokens = self.desired()
-        ids = only if only is not None else set(routes) | set(self.routes) | set(tokens) | set(self.tokens)
+        if only is not None:
+            routes, tokens = self._desired_for(only)
+            ids = only
+        else:
+            routes, tokens = self.desired()
+            ids = set(routes) | set(self.routes) | set(tokens) | set(self.tokens)
         rmap, tmap = self._layout.routes_map, self._layout.tokens_map
         first: list[str] = []   # tokens before routes when adding, routes before tokens when removing
         second: list[str] = []
