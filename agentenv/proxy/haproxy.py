@@ -331,16 +331,15 @@ class DataPlane:
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         attempt = 0
         while True:
-            first = not started.done()
             try:
-                await self._spawn_once(started if first else None)
+                await self._spawn_once(started if not started.done() else None)
                 log.warning("haproxy exited; restarting it")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - a supervisor keeps trying
-                if first:
-                    return
-                log.warning("haproxy failed: %s; restarting it", e)
+                if started.done() and started.exception() is not None:
+                    return  # it never started: `start` reports the error
+                log.warning("haproxy exited (%s); restarting it", str(e)[-300:])
             self.restarts += 1
             await asyncio.sleep(_RESTART_DELAY_S[min(attempt, len(_RESTART_DELAY_S) - 1)])
             attempt += 1

@@ -49,7 +49,7 @@ def test_haproxy_is_restarted_when_it_dies(server) -> None:
                     pass
             assert time.monotonic() < deadline, f"no working HAProxy 30 s after a kill (pids {now})"
             time.sleep(0.3)
-        assert "haproxy exited; restarting it" in server.log_path.read_text(errors="replace")
+        assert "haproxy exited" in server.log_path.read_text(errors="replace")
     finally:
         sbx.kill()
 
