@@ -167,6 +167,8 @@ async def _start_haproxy(settings: Settings, chosen, c: Components, runner: web.
                            f"{' or ' + settings.https_bind if settings.https_bind else ''} in use? "
                            "(AGENTENV_DATA_PLANE=python serves without it)") from e
     c.data_plane = dp
+    if c.observability is not None:
+        c.observability.scrape_hooks.append(dataplane.metrics_hook(dp, c.observability.metrics))
     return site, dp
 
 

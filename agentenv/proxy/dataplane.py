@@ -8,7 +8,9 @@ mark sandboxes for a route update, and a sandbox about to stop leaves the fast p
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from typing import Any
 
 from agentenv.config import Settings
 from agentenv.proxy.haproxy import DataPlane, HaproxyLayout, haproxy_binary, sock_dir_for
+from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS
 from agentenv.proxy.tls import TlsFiles, prepare
 
 log = logging.getLogger(__name__)
@@ -105,3 +108,33 @@ def attach(dp: DataPlane, orch: Any) -> None:
 
 def app_socket(settings: Settings) -> Path:
     return layout(settings).app_socket
+
+
+def metrics_hook(dp: DataPlane, metrics: Any) -> Callable[[], Awaitable[None]]:
+    """Before a /metrics scrape: add what HAProxy's sandbox backends served since the last one to
+    the proxy metrics (`agentenv_proxy_requests_total{port,code}`, `agentenv_proxy_bytes_total`),
+    so they count fast-path traffic as they count the Python proxy's."""
+    last: dict[str, dict[str, int]] = {}
+
+    async def refresh() -> None:
+        try:
+            stats = await dp.backend_stats()
+        except (OSError, asyncio.TimeoutError) as e:
+            log.debug("haproxy statistics unavailable: %s", e)
+            return
+        for backend, cur in stats.items():
+            prev = last.get(backend, {})
+            kind = SANDBOX_BACKENDS[backend]
+            for key, value in cur.items():
+                delta = value - prev.get(key, 0)
+                if delta < 0:  # HAProxy restarted: its counters began again
+                    delta = value
+                if delta <= 0:
+                    continue
+                if key.startswith("hrsp_"):
+                    metrics.proxy_requests.labels(kind, key[5:]).inc(delta)
+                else:
+                    metrics.proxy_bytes.labels(kind, "in" if key == "bin" else "out").inc(delta)
+            last[backend] = cur
+
+    return refresh

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentenv.proc import CommandError, run_cmd, run_streamed
-from agentenv.proxy.haproxy_conf import HaproxyLayout, render
+from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, HaproxyLayout, render
 
 log = logging.getLogger(__name__)
 
@@ -352,6 +352,21 @@ class DataPlane:
                     await task
         self._sync = self._supervisor = None
         shutil.rmtree(self.layout.sock_dir, ignore_errors=True)
+
+    async def backend_stats(self) -> dict[str, dict[str, int]]:
+        """Counters of the sandbox backends (`show stat`): responses by class, bytes in and out."""
+        out = await self.api.run(["show stat"])
+        lines = "\n".join(out).splitlines()
+        if not lines or not lines[0].startswith("# "):
+            return {}
+        cols = lines[0][2:].split(",")
+        stats: dict[str, dict[str, int]] = {}
+        for line in lines[1:]:
+            row = dict(zip(cols, line.split(",")))
+            if row.get("svname") == "BACKEND" and row.get("pxname") in SANDBOX_BACKENDS:
+                stats[row["pxname"]] = {k: int(row.get(k) or 0) for k in (
+                    "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "bin", "bout")}
+        return stats
 
     async def before_stop(self, sandbox_id: str, host_ip: str | None) -> None:
         """A sandbox is about to stop: out of the fast path, and HAProxy's connections into it reset."""

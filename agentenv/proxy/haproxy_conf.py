@@ -117,11 +117,30 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         "    http-request set-header X-Forwarded-Host %[req.hdr(host)] if { req.hdr(host) -m found } "
         "!{ req.hdr(x-forwarded-host) -m found }",
         "    option forwardfor",
+        "    acl jupyter var(txn.port) -m str 49999",
         "    use_backend python if private !envd !token_ok",
-        "    use_backend sandbox if routed port_ok port_ok_range",
+        "    use_backend sandbox_envd if routed port_ok port_ok_range envd",
+        "    use_backend sandbox_jupyter if routed port_ok port_ok_range jupyter",
+        "    use_backend sandbox_user if routed port_ok port_ok_range",
         "    default_backend python",
         "",
-        "backend sandbox",
+        *_sandbox_backend("sandbox_envd"),
+        *_sandbox_backend("sandbox_jupyter"),
+        *_sandbox_backend("sandbox_user"),
+        "backend python",
+        f"    server app unix@{layout.app_socket}",
+        "",
+    ])
+
+
+# One backend per kind of port (envd, Jupyter, the user's), identical but for their statistics:
+# the server's metrics (`agentenv_proxy_*{port=...}`) are read from them.
+SANDBOX_BACKENDS = {"sandbox_envd": "envd", "sandbox_jupyter": "jupyter", "sandbox_user": "user"}
+
+
+def _sandbox_backend(name: str) -> list[str]:
+    return [
+        f"backend {name}",
         # Connections into a sandbox close with a reset (no TIME_WAIT inside it: gVisor could not
         # checkpoint it); idle ones are dropped after a second or so.
         "    option nolinger",
@@ -148,7 +167,4 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         "    http-after-response del-header x-agentenv-error",
         "    server sandbox 0.0.0.0:0 pool-purge-delay 1s",
         "",
-        "backend python",
-        f"    server app unix@{layout.app_socket}",
-        "",
-    ])
+    ]
