@@ -97,13 +97,19 @@ def attach(dp: DataPlane, orch: Any) -> None:
         ids += [c.sandbox_id for c in getattr(event, "children", ())]
         dp.routes.mark(*ids)
 
-    async def before_stop(sandbox_id: str) -> None:
+    async def leave_fast_path(sandbox_id: str) -> None:
+        await dp.leave_fast_path(sandbox_id)
+
+    async def reset_connections(sandbox_id: str) -> None:
         slot = orch.host.slots.get(sandbox_id)
-        await dp.before_stop(sandbox_id, slot.host_ip if slot is not None else None)
+        if slot is not None:
+            await dp.reset_connections(slot.host_ip)
 
     orch.events.subscribe(on_event)
-    # First: HAProxy stops sending new requests before the Python proxy closes its connections.
-    orch.on_before_stop.insert(0, before_stop)
+    # First HAProxy stops sending new requests (they reach the Python proxy, which waits), then the
+    # Python proxy closes its connections, then HAProxy's are reset.
+    orch.on_before_stop.insert(0, leave_fast_path)
+    orch.on_before_stop.append(reset_connections)
 
 
 def app_socket(settings: Settings) -> Path:

@@ -7,9 +7,9 @@ sandboxes through the runtime API socket: lifecycle events mark sandboxes dirty,
 applies the difference in batches (one connection, `;`-separated commands), and a periodic full
 reconcile repairs anything an event did not say. No reload ever happens for a route change.
 
-Before a sandbox is paused, forked or snapshotted (`Orchestrator.on_before_stop`) its routes are
-removed first (new requests then reach the Python proxy, which waits and wakes), and HAProxy's
-connections into it are reset (`ss -K`), as the Python proxy closes its own.
+Before a sandbox is paused, forked, snapshotted or killed (`Orchestrator.on_before_stop`) its routes
+are removed first (new requests then reach the Python proxy, which waits and wakes), and after the
+Python proxy closed its own connections, HAProxy's into it are reset (`ss -K`).
 """
 
 from __future__ import annotations
@@ -368,14 +368,12 @@ class DataPlane:
                     "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "bin", "bout")}
         return stats
 
-    async def before_stop(self, sandbox_id: str, host_ip: str | None) -> None:
-        """A sandbox is about to stop: out of the fast path, and HAProxy's connections into it reset."""
+    async def leave_fast_path(self, sandbox_id: str) -> None:
+        """A sandbox is about to stop: its routes leave the maps (events bring them back)."""
         try:
             await self.routes.hold(sandbox_id)
         except (OSError, asyncio.TimeoutError) as e:
             log.warning("could not take %s out of haproxy's routes: %s", sandbox_id, e)
-        if host_ip:
-            await self.reset_connections(host_ip)
 
     async def reset_connections(self, host_ip: str) -> None:
         """Reset (RST) HAProxy's TCP connections to one sandbox address, none of anyone else's."""

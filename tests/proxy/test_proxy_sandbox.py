@@ -401,7 +401,7 @@ def test_sandbox_auto_paused_at_its_timeout_wakes_on_traffic(server) -> None:
         sbx.set_timeout(3)
         wait_state(sbx, "paused")
         r = requests.get(f"{server.sandbox_url}/proxy/{sbx.sandbox_id}/{APP_PORT}/hello", timeout=120)
-        assert r.status_code == 200
+        assert r.status_code == 200, r.text
         assert r.json()["pid"] == before["pid"] and r.json()["count"] == before["count"] + 1
         info = sbx.get_info()
         assert info.state.value == "running"
