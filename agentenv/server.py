@@ -163,9 +163,10 @@ async def _start_haproxy(settings: Settings, chosen, c: Components, runner: web.
         await dp.start()
     except (AgentEnvError, OSError) as e:
         await site.stop()
-        raise StartupError(f"haproxy (the data plane) could not start: {e} -- is {settings.host}:{settings.port}"
-                           f"{' or ' + settings.https_bind if settings.https_bind else ''} in use? "
-                           "(AGENTENV_DATA_PLANE=python serves without it)") from e
+        where = f"{settings.host}:{settings.port}" + (f" / {settings.https_bind}" if settings.https_bind else "")
+        raise StartupError(f"cannot listen on {where}: the data plane (haproxy) did not start: {e} "
+                           "(a port in use? set AGENTENV_PORT / --port; AGENTENV_DATA_PLANE=python serves "
+                           "without haproxy)") from e
     c.data_plane = dp
     if c.observability is not None:
         c.observability.scrape_hooks.append(dataplane.metrics_hook(dp, c.observability.metrics))

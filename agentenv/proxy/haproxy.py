@@ -319,7 +319,12 @@ class DataPlane:
     async def _wait_ready(self, run: asyncio.Task[str]) -> None:
         for _ in range(200):
             if run.done():
-                await run  # raises with HAProxy's output
+                try:
+                    await run
+                except CommandError as e:  # keep HAProxy's own alerts, not its banner
+                    alerts = [re.sub(r"^\[ALERT\]\s+\(\d+\)\s*:\s*", "", line)
+                              for line in str(e).splitlines() if "ALERT" in line]
+                    raise CommandError("; ".join(alerts) or str(e)) from None
                 raise CommandError("haproxy exited during startup")
             try:
                 await self.api.run(["show info"])
