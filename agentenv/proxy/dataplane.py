@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,3 +145,13 @@ def metrics_hook(dp: DataPlane, metrics: Any) -> Callable[[], Awaitable[None]]:
             last[backend] = cur
 
     return refresh
+
+
+async def stop_leftover(settings: Settings) -> list[str]:
+    """`agentenv gc`: stop a HAProxy of this data dir left by a server that was killed (its pid)."""
+    dp = DataPlane(settings.haproxy_path, layout(settings), OrchestratorRoutes(None), http_bind=None)
+    pid = dp.pid()
+    if pid is not None:
+        await dp.stop_leftover()
+    shutil.rmtree(dp.layout.sock_dir, ignore_errors=True)
+    return [str(pid)] if pid is not None else []

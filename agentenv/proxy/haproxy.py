@@ -267,7 +267,7 @@ class DataPlane:
         """Write config and maps, start HAProxy, return once it answers on its runtime API."""
         self.layout.dir.mkdir(parents=True, exist_ok=True)
         self.layout.sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        await self._stop_leftover()
+        await self.stop_leftover()
         self.layout.config.write_text(render(self.layout, http_bind=self._http_bind, https_bind=self._https_bind,
                                              cert=self._cert, threads=self._threads))
         self.routes.write_files()
@@ -280,7 +280,7 @@ class DataPlane:
         await started
         self._sync = asyncio.create_task(self.routes.run(), name="haproxy-routes")
 
-    async def _stop_leftover(self) -> None:
+    async def stop_leftover(self) -> None:
         """A HAProxy of ours left by a server that died without stopping it holds our ports."""
         pid = self.pid()
         if pid is None:
