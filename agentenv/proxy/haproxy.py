@@ -37,6 +37,12 @@ _RECONCILE_S = 5.0
 _RESTART_DELAY_S = (0.5, 1.0, 2.0, 5.0)
 _SS_USER = re.compile(r'\("haproxy",pid=(\d+),')
 _SS_LOCAL_PORT = re.compile(r":(\d+)$")
+# What may go into a runtime-API command: ids, tokens (token_urlsafe) and addresses never need more.
+_SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
+
+
+def _safe(*values: str) -> bool:
+    return all(_SAFE.match(v) for v in values)
 
 
 class RouteSource(Protocol):
@@ -111,7 +117,8 @@ class RouteTable:
         routes: dict[str, str] = {}
         tokens: dict[str, str] = {}
         for r in self._source.running_routes():
-            if r.host_ip and r.sandbox_id not in self._held:
+            if r.host_ip and r.sandbox_id not in self._held and _safe(r.sandbox_id, r.host_ip,
+                                                                      r.traffic_access_token or "x"):
                 routes[r.sandbox_id] = r.host_ip
                 if r.traffic_access_token:
                     tokens[r.sandbox_id] = r.traffic_access_token
@@ -158,7 +165,7 @@ class RouteTable:
         tokens: dict[str, str] = {}
         for sid in ids:
             r = None if sid in self._held else self._source.route_for(sid)
-            if r is not None and r.host_ip:
+            if r is not None and r.host_ip and _safe(sid, r.host_ip, r.traffic_access_token or "x"):
                 routes[sid] = r.host_ip
                 if r.traffic_access_token:
                     tokens[sid] = r.traffic_access_token
