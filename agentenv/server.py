@@ -162,6 +162,7 @@ async def _start_haproxy(settings: Settings, chosen, c: Components, runner: web.
     try:
         await dp.start()
     except (AgentEnvError, OSError) as e:
+        await dp.stop()
         await site.stop()
         where = f"{settings.host}:{settings.port}" + (f" / {settings.https_bind}" if settings.https_bind else "")
         raise StartupError(f"cannot listen on {where}: the data plane (haproxy) did not start: {e} "
