@@ -830,7 +830,11 @@ def gc(data_dir: str | None) -> None:
                     keep.add(rec.sandbox_id)
                 else:
                     await c.store.delete_sandbox(rec.sandbox_id)
-            return await c.orchestrator.gc(keep)
+            removed = await c.orchestrator.gc(keep)
+            from agentenv.proxy import dataplane
+
+            removed["haproxy"] = await dataplane.stop_leftover(settings)  # a crashed server's data plane
+            return removed
         finally:
             reaper.cancel()
             await c.store.close()

@@ -36,6 +36,17 @@ class Settings(BaseSettings):
     public_url: str | None = None
     # Domain returned to SDKs for get_host(): "<port>-<sandboxID>.<domain>".
     domain: str | None = None
+    # Sandbox traffic (docs/proxy.md): "haproxy" serves it from a supervised HAProxy (the public
+    # listeners are HAProxy's; the Python server sits behind it on a unix socket), "python" from the
+    # server's own proxy, "auto" = haproxy when the binary is installed.
+    data_plane: str = Field(default="auto", pattern=r"^(auto|haproxy|python)$")
+    haproxy_path: str = "haproxy"
+    # HTTPS listener ("addr:port", e.g. "0.0.0.0:443"; needs the haproxy data plane and `domain`).
+    # Certificate: tls_cert + tls_key (a wildcard for *.<domain> and <domain>), else a local CA that
+    # agentenv creates under <data_dir>/tls (its ca.pem printed at start, for clients to trust).
+    https_bind: str | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
 
     # auto | gvisor | firecracker | qemu (agentenv/runtimes/select.py; docs/runtimes.md). `auto` takes
     # the strongest isolation this host proves it can run; an explicit VM runtime never degrades.

@@ -164,12 +164,28 @@ def check_disk(settings: Settings) -> Check:
                  None if status == "ok" else "free space: the base image needs ~0.5 GB, each sandbox its changes")
 
 
+def check_data_plane(settings: Settings) -> Check:
+    """HAProxy serves sandbox traffic (and HTTPS) when installed; otherwise the Python proxy does."""
+    from agentenv.proxy.haproxy import haproxy_binary
+
+    path = haproxy_binary(settings.haproxy_path)
+    if settings.data_plane == "python":
+        return Check("data plane", "info", "the Python proxy (data_plane = python)")
+    if path is None:
+        status = "fail" if settings.data_plane == "haproxy" or settings.https_bind else "warn"
+        return Check("data plane", status, "haproxy not found: the Python proxy serves sandbox traffic "
+                     "(about 5x slower, no HTTPS)", "apt-get install haproxy")
+    rc, out = _run([path, "-v"])
+    version = out.split("version", 1)[1].split()[0] if rc == 0 and "version" in out else "?"
+    return Check("data plane", "ok", f"haproxy {version} ({path})")
+
+
 def run_checks(settings: Settings) -> list[Check]:
     return [
         check_python(), check_root(), check_runsc(settings),
         check_tool("debootstrap", "debootstrap", "builds the base image"),
         check_tool("nft", "nftables", "sandbox NAT and egress rules"),
         check_netns(), check_cgroups(), check_overlay(), check_kvm(), *check_runtimes(settings),
-        check_disk(settings),
+        check_disk(settings), check_data_plane(settings),
         Check("data dir", "info", str(settings.data_dir)),
     ]

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -61,6 +62,7 @@ class Components:
     orchestrator: Orchestrator
     proxy: TrafficProxy
     observability: Any = None  # agentenv.observability.Observability
+    data_plane: Any = None  # agentenv.proxy.haproxy.DataPlane when HAProxy serves sandbox traffic
 
 
 async def build(settings: Settings, *, store=None, publish_paused: bool = False) -> Components:
@@ -120,16 +122,56 @@ def make_app(c: Components) -> web.Application:
     return app
 
 
-def _print_banner(settings: Settings, api_key: str | None) -> None:
+def _print_banner(settings: Settings, api_key: str | None, ca: Path | None = None) -> None:
     url = settings.api_url()
     lines = ["", "agentenv is serving. Point the E2B SDKs at it:", "",
              f"E2B_API_URL={url}", f"E2B_SANDBOX_URL={url}"]
-    if api_key:
-        lines.append(f"E2B_API_KEY={api_key}")
-    else:
-        lines.append("E2B_API_KEY=<create one with: agentenv keys create>")
+    key = f"E2B_API_KEY={api_key}" if api_key else "E2B_API_KEY=<create one with: agentenv keys create>"
+    lines.append(key)
+    if settings.https_bind and settings.domain:
+        lines += ["", "or, over HTTPS by name (wildcard DNS *.{0} -> this host):".format(settings.domain), "",
+                  f"E2B_DOMAIN={settings.domain}", key]
+        if ca is not None:
+            lines += [f"# the local CA to trust: {ca}",
+                      f"SSL_CERT_FILE={ca}  NODE_EXTRA_CA_CERTS={ca}  (curl --cacert {ca})"]
     lines.append("")
     print("\n".join(lines), flush=True)
+
+
+def _plan_data_plane(settings: Settings):
+    from agentenv.proxy import dataplane
+
+    try:
+        return dataplane.plan(settings)
+    except dataplane.DataPlaneError as e:
+        raise StartupError(str(e)) from None
+
+
+async def _start_haproxy(settings: Settings, chosen, c: Components, runner: web.AppRunner):
+    """HAProxy owns the public listeners; the Python server answers it on a unix socket."""
+    from agentenv.errors import AgentEnvError
+    from agentenv.proxy import dataplane
+
+    dp = dataplane.make(settings, chosen, c.orchestrator)
+    dataplane.attach(dp, c.orchestrator)
+    sock = dp.layout.app_socket
+    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sock.unlink(missing_ok=True)
+    site = web.UnixSite(runner, str(sock))
+    await site.start()
+    try:
+        await dp.start()
+    except (AgentEnvError, OSError) as e:
+        await dp.stop()
+        await site.stop()
+        where = f"{settings.host}:{settings.port}" + (f" / {settings.https_bind}" if settings.https_bind else "")
+        raise StartupError(f"cannot listen on {where}: the data plane (haproxy) did not start: {e} "
+                           "(a port in use? set AGENTENV_PORT / --port; AGENTENV_DATA_PLANE=python serves "
+                           "without haproxy)") from e
+    c.data_plane = dp
+    if c.observability is not None:
+        c.observability.scrape_hooks.append(dataplane.metrics_hook(dp, c.observability.metrics))
+    return site, dp
 
 
 class StartupError(Exception):
@@ -181,13 +223,15 @@ async def serve(settings: Settings, *, progress=None) -> None:
     reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
     c = await build(settings)
     runner: web.AppRunner | None = None
-    site: web.TCPSite | None = None
+    site: web.BaseSite | None = None
+    data_plane = None
     started = False
     try:
         # Images first: the first create must not pay for a debootstrap.
         await c.images.ensure_base(progress)
         await c.images.ensure_tools(progress)
         api_key = await _bootstrap_key(c, settings)
+        chosen = _plan_data_plane(settings)
         await c.orchestrator.start()
         started = True
         if c.observability is not None:
@@ -195,20 +239,26 @@ async def serve(settings: Settings, *, progress=None) -> None:
 
         runner = web.AppRunner(make_app(c), access_log=None, handle_signals=False, **LISTENER_OPTIONS)
         await runner.setup()
-        site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
-        try:
-            await site.start()
-        except OSError as e:
-            site = None
-            raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e} "
-                               "(set AGENTENV_PORT / --port to another port)") from e
-        _print_banner(settings, api_key)
+        if chosen.haproxy is not None:
+            site, data_plane = await _start_haproxy(settings, chosen, c, runner)
+        else:
+            site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as e:
+                site = None
+                raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e} "
+                                   "(set AGENTENV_PORT / --port to another port)") from e
+        log.info("data plane: %s", chosen.reason)
+        _print_banner(settings, api_key, chosen.tls.ca if chosen.tls else None)
 
         await wait_for_stop_signal()
     finally:
         # Runs on every exit, including a failed start: an unclosed store would keep its worker
         # thread alive and the process would never exit.
         log.info("shutting down")
+        if data_plane is not None:
+            await data_plane.stop()
         if site is not None:
             await site.stop()
         if started:

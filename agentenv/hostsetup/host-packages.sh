@@ -57,6 +57,9 @@ agentenv_host_packages() {
   # $1: 1 to add what the tests need
   local WITH_TEST="${1:-0}" have
   SYSTEM_PKGS=(debootstrap iproute2 nftables util-linux procps psmisc ca-certificates)
+  # haproxy: the data plane (sandbox traffic, HTTPS; docs/proxy.md). Debian's package enables a
+  # systemd unit whose default configuration listens nowhere; agentenv runs its own instance.
+  SYSTEM_PKGS+=(haproxy)
   # The QEMU microVM runtime: the VMM, qcow2 tools, and what builds the guest image (mkfs.ext4 -d,
   # lz4 to unpack the kernel; the kernel and busybox-static themselves come via `apt-get download`).
   SYSTEM_PKGS+=(qemu-system-x86 qemu-utils e2fsprogs lz4)
@@ -120,6 +123,9 @@ agentenv_host_packages() {
     # A real PostgreSQL server for the cluster tests (initdb'd into a temp dir by tests/cluster).
     SYSTEM_PKGS+=(postgresql)
     # openssl: the self-signed certificate of the HTTPS test host (tests/network_policy).
+    # dnsmasq-base: the wildcard DNS of tests/proxy/test_proxy_https.py (the binary only: no system
+    # service that would take port 53).
+    SYSTEM_PKGS+=(dnsmasq-base)
     SYSTEM_PKGS+=(openssl)
     # musl-tools + busybox-static: tests/templates builds a musl/BusyBox (Alpine-like) OCI image offline.
     SYSTEM_PKGS+=(musl-tools busybox-static file)

@@ -8,6 +8,7 @@ handlers in `observability.api` and the console read from it. Reusable pieces fo
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -69,6 +70,15 @@ class Observability:
                                        history=settings.metrics_history, on_pass=self.metrics.sample_duration.set)
         self.metrics.registry.register(NodeCollector(orchestrator, settings, self.sampler))
         self._log_handler = SandboxLogHandler(self.logs)
+        # Awaited before each /metrics scrape (numbers that live elsewhere: the HAProxy data plane).
+        self.scrape_hooks: list[Callable[[], Awaitable[None]]] = []
+
+    async def before_scrape(self) -> None:
+        for hook in list(self.scrape_hooks):
+            try:
+                await hook()
+            except Exception:  # noqa: BLE001 - a scrape still answers
+                logging.getLogger(__name__).exception("metrics scrape hook failed")
 
     def attach(self, proxy: Any = None, snapshot_store: Any = None) -> "Observability":
         """Hook onto the orchestrator (and proxy, snapshot store when given). Call once, before start."""

@@ -288,7 +288,8 @@ def mount_observability(app: web.Application, obs: Any, api_ctx: Any) -> None:
         except Exception:  # noqa: BLE001
             return False
 
-    mount_metrics(app, obs.metrics.registry, bearer_token=settings.metrics_bearer_token, also_allow=api_key_ok)
+    mount_metrics(app, obs.metrics.registry, bearer_token=settings.metrics_bearer_token, also_allow=api_key_ok,
+                  before_scrape=obs.before_scrape)
     if settings.console:
         from agentenv.console import mount_console
 

@@ -151,6 +151,7 @@ class _Flight:
     request: web.BaseRequest
     reason: str | None = None  # set when *we* cancel the task
     response: web.StreamResponse | None = None  # once headers went to the client
+    routed: bool = False  # resolved to a running sandbox: may hold a connection into it
 
     def abort(self, reason: str) -> None:
         if self.reason is None:
@@ -341,6 +342,7 @@ class TrafficProxy:
                 what = "Invalid" if given else "Missing"
                 return _error(403, f"{what} {TRAFFIC_TOKEN_HEADER} header: this sandbox is private "
                               "(created with allowPublicTraffic=false)", sandbox_id)
+        flight.routed = True
         host, up_port = self._port_override(route, port) if self._port_override else (route.host_ip, port)
         path, _, query = target.raw_path.partition("?")
         url = URL.build(scheme="http", host=host, port=up_port, path=path, query_string=query, encoded=True)
@@ -382,7 +384,8 @@ class TrafficProxy:
             headers[FORWARDED_PREFIX_HEADER] = target.prefix
         remote = request.remote or ""
         prior = request.headers.get("X-Forwarded-For")
-        headers["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
+        if remote or not prior:  # behind HAProxy (a unix socket) the client is already in `prior`
+            headers["X-Forwarded-For"] = f"{prior}, {remote}" if prior else remote
         headers.setdefault("X-Forwarded-Proto", request.scheme)
         if request.host:
             headers.setdefault("X-Forwarded-Host", request.host)
@@ -623,7 +626,9 @@ class TrafficProxy:
         Call it after the resolver stopped reporting the sandbox as running, otherwise new
         requests simply open new connections.
         """
-        flights = list(self._flights.get(sandbox_id, ()))
+        # Requests still waiting for the sandbox (resolving: e.g. for a pause to end, then a wake)
+        # hold no connection into it: they go on once it runs again.
+        flights = [f for f in self._flights.get(sandbox_id, ()) if f.routed]
         for flight in flights:
             flight.abort("aborted")
         session = self._sessions.pop(sandbox_id, None)

@@ -284,14 +284,18 @@ async def test_200_mib_each_way_with_bounded_proxy_memory(server, app_sbx: Sandb
         for c in pattern(BIG):
             yield c
 
-    with PeakRss(server.pid) as up_mem:
+    # The process the bytes cross: HAProxy when it is the data plane, else the server itself.
+    from test_data_plane import haproxy_pids
+
+    proxy_pid = (haproxy_pids(server.data_dir) or [server.pid])[0]
+    with PeakRss(proxy_pid) as up_mem:
         async with client.post(f"{server.sandbox_url}/upload", data=upload(), headers=route(app_sbx)) as r:
             assert r.status == 200
             got = await r.json()
     assert got["size"] == BIG and got["sha256"] == pattern_sha(BIG)
     assert got["transfer_encoding"] == "chunked"  # streamed as it came, not collected first
 
-    with PeakRss(server.pid) as down_mem:
+    with PeakRss(proxy_pid) as down_mem:
         h, size = hashlib.sha256(), 0
         async with client.get(f"{server.sandbox_url}/download?size={BIG}", headers=route(app_sbx)) as r:
             assert r.status == 200 and r.headers["Content-Length"] == str(BIG)
@@ -397,7 +401,7 @@ def test_sandbox_auto_paused_at_its_timeout_wakes_on_traffic(server) -> None:
         sbx.set_timeout(3)
         wait_state(sbx, "paused")
         r = requests.get(f"{server.sandbox_url}/proxy/{sbx.sandbox_id}/{APP_PORT}/hello", timeout=120)
-        assert r.status_code == 200
+        assert r.status_code == 200, r.text
         assert r.json()["pid"] == before["pid"] and r.json()["count"] == before["count"] + 1
         info = sbx.get_info()
         assert info.state.value == "running"

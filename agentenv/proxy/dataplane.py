@@ -1,0 +1,157 @@
+"""Choosing and wiring the data plane of `agentenv serve` (settings.data_plane; docs/proxy.md).
+
+`plan` decides where the public listeners live: HAProxy's (with the Python server on a unix socket
+behind it) or the Python server's own TCP listener (`data_plane = "python"`, or "auto" without a
+`haproxy` binary). `attach` connects a started `DataPlane` to the orchestrator: lifecycle events
+mark sandboxes for a route update, and a sandbox about to stop leaves the fast path first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from agentenv.config import Settings
+from agentenv.proxy.haproxy import DataPlane, HaproxyLayout, haproxy_binary, sock_dir_for
+from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS
+from agentenv.proxy.tls import TlsFiles, prepare
+
+log = logging.getLogger(__name__)
+
+
+class DataPlaneError(Exception):
+    """The configured data plane cannot run (a message for the operator)."""
+
+
+@dataclass
+class Plan:
+    haproxy: str | None       # the binary, or None: the Python proxy serves traffic on its own listener
+    reason: str
+    tls: TlsFiles | None = None
+
+
+def plan(settings: Settings) -> Plan:
+    binary = haproxy_binary(settings.haproxy_path)
+    if settings.data_plane == "python":
+        chosen = Plan(None, "data_plane = python")
+    elif binary is None:
+        if settings.data_plane == "haproxy":
+            raise DataPlaneError(f"data_plane = haproxy but {settings.haproxy_path!r} is not installed "
+                                 "(apt-get install haproxy)")
+        chosen = Plan(None, "haproxy is not installed: the Python proxy serves sandbox traffic")
+    else:
+        chosen = Plan(binary, f"haproxy ({binary})")
+    if settings.https_bind:
+        if chosen.haproxy is None:
+            raise DataPlaneError(f"https_bind needs the haproxy data plane ({chosen.reason})")
+        if not settings.domain:
+            raise DataPlaneError("https_bind needs AGENTENV_DOMAIN (the certificate is for *.<domain>)")
+        try:
+            chosen.tls = prepare(settings.data_dir / "tls", settings.domain, settings.tls_cert, settings.tls_key)
+        except (OSError, ValueError) as e:
+            raise DataPlaneError(f"TLS: {e}") from e
+    return chosen
+
+
+def layout(settings: Settings) -> HaproxyLayout:
+    return HaproxyLayout(settings.data_dir / "haproxy", sock_dir_for(settings.data_dir))
+
+
+class OrchestratorRoutes:
+    """`haproxy.RouteSource` over the orchestrator: running sandboxes and their slot addresses."""
+
+    def __init__(self, orch: Any) -> None:
+        self._orch = orch
+
+    def running_routes(self) -> Any:
+        return self._orch.running_routes()
+
+    def route_for(self, sandbox_id: str) -> Any | None:
+        rec = self._orch.peek(sandbox_id)
+        slot = self._orch.host.slots.get(sandbox_id)
+        if rec is None or slot is None or rec.state.value != "running":
+            return None
+        return SimpleNamespace(host_ip=slot.host_ip, traffic_access_token=rec.traffic_access_token)
+
+
+def make(settings: Settings, chosen: Plan, orch: Any) -> DataPlane:
+    assert chosen.haproxy is not None
+    http_bind = f"{settings.host}:{settings.port}" if ":" not in settings.host else f"[{settings.host}]:{settings.port}"
+    return DataPlane(chosen.haproxy, layout(settings), OrchestratorRoutes(orch), http_bind=http_bind,
+                     https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None)
+
+
+def attach(dp: DataPlane, orch: Any) -> None:
+    """Route updates from the orchestrator's lifecycle events; leave the fast path before a stop."""
+
+    def on_event(event: Any) -> None:
+        ids = [getattr(event, "sandbox_id", None)]
+        rec = getattr(event, "rec", None)
+        if rec is not None:
+            ids.append(rec.sandbox_id)
+        ids += [c.sandbox_id for c in getattr(event, "children", ())]
+        dp.routes.mark(*ids)
+
+    async def leave_fast_path(sandbox_id: str) -> None:
+        await dp.leave_fast_path(sandbox_id)
+
+    async def reset_connections(sandbox_id: str) -> None:
+        slot = orch.host.slots.get(sandbox_id)
+        if slot is not None:
+            await dp.reset_connections(slot.host_ip)
+
+    orch.events.subscribe(on_event)
+    # First HAProxy stops sending new requests (they reach the Python proxy, which waits), then the
+    # Python proxy closes its connections, then HAProxy's are reset.
+    orch.on_before_stop.insert(0, leave_fast_path)
+    orch.on_before_stop.append(reset_connections)
+
+
+def app_socket(settings: Settings) -> Path:
+    return layout(settings).app_socket
+
+
+def metrics_hook(dp: DataPlane, metrics: Any) -> Callable[[], Awaitable[None]]:
+    """Before a /metrics scrape: add what HAProxy's sandbox backends served since the last one to
+    the proxy metrics (`agentenv_proxy_requests_total{port,code}`, `agentenv_proxy_bytes_total`),
+    so they count fast-path traffic as they count the Python proxy's."""
+    last: dict[str, dict[str, int]] = {}
+
+    async def refresh() -> None:
+        try:
+            stats = await dp.backend_stats()
+        except (OSError, asyncio.TimeoutError) as e:
+            log.debug("haproxy statistics unavailable: %s", e)
+            return
+        for backend, cur in stats.items():
+            prev = last.get(backend, {})
+            kind = SANDBOX_BACKENDS[backend]
+            for key, value in cur.items():
+                delta = value - prev.get(key, 0)
+                if delta < 0:  # HAProxy restarted: its counters began again
+                    delta = value
+                if delta <= 0:
+                    continue
+                if key.startswith("hrsp_"):
+                    metrics.proxy_requests.labels(kind, key[5:]).inc(delta)
+                else:
+                    metrics.proxy_bytes.labels(kind, "in" if key == "bin" else "out").inc(delta)
+            last[backend] = cur
+
+    return refresh
+
+
+async def stop_leftover(settings: Settings) -> list[str]:
+    """`agentenv gc`: stop a HAProxy of this data dir left by a server that was killed (its pid)."""
+    dp = DataPlane(settings.haproxy_path, layout(settings), OrchestratorRoutes(None), http_bind=None)
+    pid = dp.pid()
+    if pid is not None:
+        await dp.stop_leftover()
+    shutil.rmtree(dp.layout.sock_dir, ignore_errors=True)
+    return [str(pid)] if pid is not None else []

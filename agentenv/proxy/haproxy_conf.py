@@ -1,0 +1,170 @@
+"""The HAProxy configuration of the data plane (docs/proxy.md, "The data plane").
+
+HAProxy owns the public listener(s). A request addressed to a running sandbox that HAProxy can serve
+by itself (its id is in the routes map, and a private sandbox's traffic token matches) goes straight
+to the sandbox: `set-dst`/`set-dst-port` on a `server 0.0.0.0:0`. Everything else -- the control
+API, unknown or paused sandboxes (wake on traffic), a missing or wrong token, signed `/files` URLs on
+the API host, malformed routing -- goes to the server's Python listener on a unix socket, which
+answers exactly as it does without HAProxy.
+
+The maps are files HAProxy loads at start; agentenv keeps them current through the runtime API
+(`agentenv.proxy.haproxy.RouteTable`), never by a reload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.constants import ENVD_PORT
+
+
+@dataclass(frozen=True)
+class HaproxyLayout:
+    """Where the data plane's files live (`dir` under the data dir, `sock_dir` short for unix sockets)."""
+
+    dir: Path
+    sock_dir: Path
+
+    @property
+    def config(self) -> Path:
+        return self.dir / "haproxy.cfg"
+
+    @property
+    def routes_map(self) -> Path:  # sandbox id -> host ip of its slot
+        return self.dir / "routes.map"
+
+    @property
+    def tokens_map(self) -> Path:  # sandbox id -> traffic access token (private sandboxes only)
+        return self.dir / "tokens.map"
+
+    @property
+    def admin_socket(self) -> Path:  # the runtime API
+        return self.sock_dir / "admin.sock"
+
+    @property
+    def app_socket(self) -> Path:  # the server's aiohttp listener (control API + fallback proxy)
+        return self.sock_dir / "app.sock"
+
+
+def _q(text: str) -> str:
+    """A double-quoted HAProxy argument."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _error_body(message: str) -> str:
+    return _q('{"sandboxId":"%[var(txn.sid)]","message":"' + message.replace('"', "'") + '","code":502}')
+
+
+def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | None,
+           cert: Path | None, threads: int) -> str:
+    """The whole configuration. `http_bind`/`https_bind`: "addr:port" (or None for none)."""
+    binds = []
+    if http_bind:
+        binds.append(f"    bind {http_bind}")
+    if https_bind:
+        assert cert is not None
+        binds.append(f"    bind {https_bind} ssl crt {cert} alpn h2,http/1.1")
+    routes, tokens = layout.routes_map, layout.tokens_map
+    return "\n".join([
+        "# Written by agentenv at every start; edits are lost (agentenv/proxy/haproxy_conf.py).",
+        "global",
+        f"    nbthread {threads}",
+        f"    stats socket {layout.admin_socket} mode 600 level admin",
+        "    stats timeout 1h",
+        "    hard-stop-after 5s",
+        "    ssl-default-bind-options ssl-min-ver TLSv1.2",
+        "    tune.ssl.default-dh-param 2048",
+        "",
+        "defaults",
+        "    mode http",
+        "    timeout connect 5s",
+        # Started responses never time out (long polls, SSE, downloads), as in the Python proxy.
+        "    timeout client 24h",
+        "    timeout server 24h",
+        "    timeout tunnel 24h",
+        "    timeout http-request 60s",
+        "    timeout http-keep-alive 75s",
+        "    timeout client-fin 5s",
+        "    timeout server-fin 1s",
+        "",
+        "frontend agentenv",
+        *binds,
+        # -- which sandbox and port: E2b-Sandbox-Id/-Port headers, else the Host, else a /proxy/ path
+        "    acl by_hdr req.hdr(e2b-sandbox-id) -m found",
+        "    http-request set-var(txn.sid) req.hdr(e2b-sandbox-id) if by_hdr",
+        "    http-request set-var(txn.port) req.hdr(e2b-sandbox-port) if by_hdr { req.hdr(e2b-sandbox-port) -m found }",
+        f"    http-request set-var(txn.port) str({ENVD_PORT}) if by_hdr !{{ req.hdr(e2b-sandbox-port) -m found }}",
+        "    http-request set-var(txn.label) req.hdr(host),field(1,:),lower,field(1,.) if !by_hdr",
+        "    acl by_host var(txn.label) -m reg ^[0-9]{1,5}-[a-z0-9]+$",
+        "    http-request set-var(txn.port) var(txn.label),field(1,-) if !by_hdr by_host",
+        "    http-request set-var(txn.sid) var(txn.label),field(2,-) if !by_hdr by_host",
+        "    acl by_path path -m reg ^/proxy/[a-z0-9]+/[0-9]{1,5}(/|$)",
+        "    http-request set-var(txn.sid) path,field(3,/) if !by_hdr !by_host by_path",
+        "    http-request set-var(txn.port) path,field(4,/) if !by_hdr !by_host by_path",
+        "    http-request set-var(txn.prefixed) bool(true) if !by_hdr !by_host by_path",
+        # -- can HAProxy serve it by itself?
+        f"    http-request set-var(txn.ip) var(txn.sid),map({routes}) if {{ var(txn.sid) -m found }}",
+        f"    http-request set-var(txn.tok) var(txn.sid),map({tokens}) if {{ var(txn.ip) -m found }}",
+        "    acl routed var(txn.ip) -m found",
+        "    acl port_ok var(txn.port) -m reg ^[1-9][0-9]{0,4}$",
+        "    acl port_ok_range var(txn.port) -m int 1:65535",
+        "    acl private var(txn.tok) -m found",
+        f"    acl envd var(txn.port) -m str {ENVD_PORT}",
+        "    acl token_ok req.hdr(e2b-traffic-access-token),secure_memcmp(txn.tok)",
+        "    http-request set-header X-Forwarded-Proto https if { ssl_fc } !{ req.hdr(x-forwarded-proto) -m found }",
+        "    http-request set-header X-Forwarded-Proto http if !{ ssl_fc } !{ req.hdr(x-forwarded-proto) -m found }",
+        "    http-request set-header X-Forwarded-Host %[req.hdr(host)] if { req.hdr(host) -m found } "
+        "!{ req.hdr(x-forwarded-host) -m found }",
+        "    option forwardfor",
+        "    acl jupyter var(txn.port) -m str 49999",
+        "    use_backend python if private !envd !token_ok",
+        "    use_backend sandbox_envd if routed port_ok port_ok_range envd",
+        "    use_backend sandbox_jupyter if routed port_ok port_ok_range jupyter",
+        "    use_backend sandbox_user if routed port_ok port_ok_range",
+        "    default_backend python",
+        "",
+        *_sandbox_backend("sandbox_envd"),
+        *_sandbox_backend("sandbox_jupyter"),
+        *_sandbox_backend("sandbox_user"),
+        "backend python",
+        f"    server app unix@{layout.app_socket}",
+        "",
+    ])
+
+
+# One backend per kind of port (envd, Jupyter, the user's), identical but for their statistics:
+# the server's metrics (`agentenv_proxy_*{port=...}`) are read from them.
+SANDBOX_BACKENDS = {"sandbox_envd": "envd", "sandbox_jupyter": "jupyter", "sandbox_user": "user"}
+
+
+def _sandbox_backend(name: str) -> list[str]:
+    return [
+        f"backend {name}",
+        # Connections into a sandbox close with a reset (no TIME_WAIT inside it: gVisor could not
+        # checkpoint it); idle ones are dropped after a second or so.
+        "    option nolinger",
+        "    http-reuse always",
+        "    retries 2",
+        "    retry-on conn-failure empty-response",
+        "    http-request set-dst var(txn.ip)",
+        "    http-request set-dst-port var(txn.port)",
+        "    http-request set-header X-Forwarded-Prefix /proxy/%[var(txn.sid)]/%[var(txn.port)] if { var(txn.prefixed) -m found }",
+        "    http-request set-path %[path,regsub(^/proxy/[a-z0-9]+/[0-9]+/?,/)] if { var(txn.prefixed) -m found }",
+        # The API key is never a data-plane credential; the traffic and host tokens are ours.
+        "    http-request del-header x-api-key",
+        "    http-request del-header e2b-traffic-access-token",
+        "    http-request del-header x-agentenv-host-token",
+        r"    http-request del-header authorization if { req.hdr(authorization) -m reg -i ^(bearer\s+)?e2b_[0-9a-f]+\s*$ }",
+        # HAProxy's own errors as the JSON bodies the SDKs key on ("port is not open", ...).
+        "    http-error status 503 content-type application/json hdr x-agentenv-error 1 lf-string "
+        + _error_body("The sandbox is running but port is not open"),
+        "    http-error status 502 content-type application/json hdr x-agentenv-error 1 lf-string "
+        + _error_body("The connection to the sandbox closed before a response was received"),
+        "    http-error status 504 content-type application/json hdr x-agentenv-error 1 lf-string "
+        + _error_body("The sandbox did not answer in time"),
+        "    http-after-response set-status 502 reason 'Bad Gateway' if { status 503 } { res.hdr(x-agentenv-error) -m found }",
+        "    http-after-response del-header x-agentenv-error",
+        "    server sandbox 0.0.0.0:0 pool-purge-delay 1s",
+        "",
+    ]

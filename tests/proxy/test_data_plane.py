@@ -1,0 +1,73 @@
+"""The data plane's process: HAProxy supervised by `agentenv serve`, and the fallback without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from e2b import Sandbox
+
+from serverproc import new_data_dir, remove_data_dir, start_extra_server
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def haproxy_pids(data_dir: Path) -> list[int]:
+    """HAProxy processes running the configuration of the server on `data_dir`."""
+    config = os.fsencode(data_dir / "haproxy" / "haproxy.cfg")
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"haproxy") and config in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_haproxy_is_restarted_when_it_dies(server) -> None:
+    before = haproxy_pids(server.data_dir)
+    assert len(before) == 1, "the session server runs one HAProxy (is haproxy installed?)"
+    sbx = Sandbox.create(timeout=120, metadata={"suite": "proxy"})
+    try:
+        assert sbx.commands.run("echo before").stdout == "before\n"
+        os.kill(before[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while True:
+            now = haproxy_pids(server.data_dir)
+            if now and now != before:
+                try:
+                    if sbx.commands.run("echo after", request_timeout=5).stdout == "after\n":
+                        break
+                except Exception:  # noqa: BLE001 - still restarting
+                    pass
+            assert time.monotonic() < deadline, f"no working HAProxy 30 s after a kill (pids {now})"
+            time.sleep(0.3)
+        assert "haproxy exited" in server.log_path.read_text(errors="replace")
+    finally:
+        sbx.kill()
+
+
+def test_without_haproxy_the_python_proxy_serves_traffic() -> None:
+    data_dir = new_data_dir("nohaproxy")
+    srv = start_extra_server(data_dir, env={"AGENTENV_HAPROXY_PATH": "/nonexistent/haproxy"})
+    try:
+        assert "the Python proxy serves sandbox traffic" in srv.log_path.read_text()
+        assert haproxy_pids(data_dir) == []
+        sbx = Sandbox.create(timeout=120, **srv.sdk_opts())
+        srv.known_ids.add(sbx.sandbox_id)
+        try:
+            assert sbx.commands.run("echo python-proxy").stdout == "python-proxy\n"
+            sbx.files.write("/tmp/f", "x")
+            assert sbx.files.read("/tmp/f") == "x"
+        finally:
+            sbx.kill()
+    finally:
+        srv.stop()
+        remove_data_dir(data_dir)
