@@ -32,7 +32,7 @@ from agentenv.runtimes import select as runtime_select
 log = logging.getLogger("agentenv.cluster.gateway")
 
 # Node answers after which another node is tried for the same create.
-_RETRY_ELSEWHERE = {"capacity_exhausted", "node_unreachable"}
+_RETRY_ELSEWHERE = {"capacity_exhausted", "node_unreachable", "node_fenced"}
 
 
 @dataclass

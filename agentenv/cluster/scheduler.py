@@ -215,6 +215,15 @@ class SchedulerService:
             self._room.notify_all()
         return web.Response(status=204)
 
+    async def relay_heartbeat(self, request: web.Request) -> web.Response:
+        """A node that cannot reach the state store heartbeats here; written for it (its lease,
+        docs/cluster.md "Fencing"), so a node cut off from the store only is not declared dead."""
+        rec = codec.decode(await request.json())
+        if not isinstance(rec, NodeRecord):
+            return error_response(BadRequest("a heartbeat is a node record"))
+        await self.store.put_node(rec)
+        return web.Response(status=204)
+
     async def list_nodes(self, request: web.Request) -> web.Response:
         return web.json_response(codec.encode(await self.store.list_nodes()))
 
@@ -270,6 +279,7 @@ class SchedulerService:
         app.router.add_post("/internal/place", self.place)
         app.router.add_post("/internal/release", self.release)
         app.router.add_get("/internal/nodes", self.list_nodes)
+        app.router.add_post("/internal/heartbeat", self.relay_heartbeat)
         app.router.add_get("/health", lambda _r: web.Response(text="ok"))
         from agentenv.observability.roles import mount_role_metrics
 
@@ -281,6 +291,10 @@ async def run_scheduler(settings: Settings) -> None:
     from agentenv.cluster._run import run_app, start_role
 
     store = start_role(settings, "scheduler")
+    try:
+        settings.fence_timing()  # the nodes' lease must lapse before this scheduler's deadline
+    except ValueError as e:
+        raise SystemExit(f"agentenv scheduler: {e}") from None
     await store.open()
     svc = SchedulerService(settings, store)
     try:

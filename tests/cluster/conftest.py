@@ -50,6 +50,8 @@ HEARTBEAT_S = 1.0
 # a node's event loop can miss heartbeats for several seconds under the load test (a 5 s limit once
 # declared a healthy node dead mid-run). The kill -9 test waits for this long.
 DEAD_AFTER_S = 15.0
+# nft table of Node.partition (in the node's namespace)
+PARTITION_TABLE = "aetestpartition"
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -100,6 +102,30 @@ class Node:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+
+    @property
+    def lan_if(self) -> str:
+        return f"ae{TAG}{self.name}1"
+
+    def partition(self) -> None:
+        """Cut the node off the LAN (PostgreSQL, S3, scheduler, gateway, the other nodes): packets
+        dropped both ways in its namespace, as a failed switch port would, not refused."""
+        rules = (f"table inet {PARTITION_TABLE} {{\n"
+                 f" chain i {{ type filter hook input priority -300; iifname \"{self.lan_if}\" drop; }}\n"
+                 f" chain o {{ type filter hook output priority -300; oifname \"{self.lan_if}\" drop; }}\n}}\n")
+        subprocess.run(["ip", "netns", "exec", self.netns, "nft", "-f", "-"], input=rules, text=True, check=True,
+                       capture_output=True, timeout=30)
+
+    def heal(self) -> None:
+        sh("ip", "netns", "exec", self.netns, "nft", "delete", "table", "inet", PARTITION_TABLE, check=False)
+
+    def sandbox_status(self, sandbox_id: str, port: int = 49983, path: str = "/health") -> int:
+        """HTTP status of a request to `sandbox_id` through this node's own listener, from inside its
+        namespace (works while it is partitioned); 0 when nothing answers within 3 s."""
+        r = subprocess.run(["ip", "netns", "exec", self.netns, "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                            "--max-time", "3", "-H", f"E2b-Sandbox-Id: {sandbox_id}", "-H", f"E2b-Sandbox-Port: {port}",
+                            f"{self.url}{path}"], capture_output=True, text=True, timeout=30)
+        return int(r.stdout.strip() or 0)
 
     def gc(self) -> subprocess.CompletedProcess:
         env = dict(os.environ)
@@ -264,8 +290,9 @@ def cluster() -> Cluster:
                   "AGENTENV_LOG_LEVEL": "INFO", "AGENTENV_MAX_STARTING_PER_NODE": "2",
                   "AGENTENV_ADMISSION_WAIT_S": "30"}
         sched_port, gw_port = free_port(), free_port()
-        scheduler = _start_role("scheduler", {**common, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(sched_port)},
-                                f"http://127.0.0.1:{sched_port}", work / "scheduler.log", work)
+        # on the LAN: nodes cut off from PostgreSQL relay their heartbeats through it (fencing)
+        scheduler = _start_role("scheduler", {**common, "AGENTENV_HOST": f"{LAN}.1", "AGENTENV_PORT": str(sched_port)},
+                                f"http://{LAN}.1:{sched_port}", work / "scheduler.log", work)
         stack.callback(scheduler.stop)
         gateway = _start_role("gateway", {**common, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(gw_port),
                                           "AGENTENV_SCHEDULER_URL": scheduler.url,
@@ -277,7 +304,7 @@ def cluster() -> Cluster:
             d = work.parent / f"{work.name}-node-{name}"
             d.mkdir()
             subprocess.run(["cp", "-al", str(work / "images"), str(d / "images")], check=True, timeout=300)
-            env = {**common, "AGENTENV_NODE_ID": name, "AGENTENV_NODE_URL": f"http://{address}:{NODE_PORT}",
+            env = {**common, "AGENTENV_NODE_ID": name, "AGENTENV_SCHEDULER_URL": scheduler.url, "AGENTENV_NODE_URL": f"http://{address}:{NODE_PORT}",
                    "AGENTENV_HOST": address, "AGENTENV_PORT": str(NODE_PORT), "AGENTENV_DATA_DIR": str(d),
                    "AGENTENV_INSTANCE": f"{TAG}{name}", "AGENTENV_SLOT_SUBNET": subnet,
                    "AGENTENV_MAX_SANDBOXES": str(MAX_SANDBOXES), "AGENTENV_ALLOW_INTERNET_ACCESS": "false"}
@@ -285,6 +312,8 @@ def cluster() -> Cluster:
 
         def stop_nodes() -> None:
             problems = []
+            for n in nodes.values():
+                n.heal()  # a partition test that failed half-way
             for n in nodes.values():
                 n.stop()
             for n in nodes.values():
