@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentenv.cluster.fence")
 
+FENCED_MARKER = "fenced-pause"
+
 
 class Fence:
     """The lease of one node, its fence and its rejoin."""
@@ -115,6 +117,10 @@ class Fence:
     def start(self) -> None:
         self.renewed_at = max(self.renewed_at, time.monotonic() - self.fence_after / 2)
         self._monitor = asyncio.create_task(self._watch(), name="lease")
+        if self.fenced and self._holding is None:  # restarted with fenced pauses (`recover`)
+            log.warning("node %s starts fenced: it holds %d sandbox(es) paused while it was cut off",
+                        self.agent.node_id, len(self._local_only))
+            self._holding = asyncio.create_task(self._hold(), name="fenced")
 
     async def stop(self) -> None:
         for t in (self._monitor, self._holding):
@@ -166,6 +172,7 @@ class Fence:
                     log.warning("fence: memory pause of %s refused (%s); pausing its files only", sid, e.message)
                     await orch.pauses.pause(sid, None, False, publish=False)
                 self._local_only.add(sid)
+                self._mark(sid)
                 log.warning("fence: sandbox %s paused on this node's disk", sid)
 
         ids = sorted(orch.running_ids())
@@ -173,6 +180,32 @@ class Fence:
         for sid, res in zip(ids, results):
             if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
                 log.error("fence: could not pause %s: %s", sid, res)
+
+    # A marker in the sandbox dir: a restart before the rejoin keeps the sandbox (`recover`).
+    def _marker(self, sid: str):
+        return self.agent.orch.host.sandbox_dir(sid) / FENCED_MARKER
+
+    def _mark(self, sid: str) -> None:
+        rec = self.agent.orch.peek(sid)
+        try:
+            self._marker(sid).write_text((rec.pause_mode if rec is not None else None) or "full")
+        except OSError as e:
+            log.warning("fence: cannot mark %s for a restart: %s", sid, e)
+
+    def recover(self, rec) -> bool:
+        """Restart hook (`Orchestrator.recover_lost`): a LOST record this node paused while fenced is
+        kept (paused, with its pause mode), and the node starts fenced so that it rejoins with it."""
+        try:
+            mode = self._marker(rec.sandbox_id).read_text().strip()
+        except OSError:
+            return False
+        rec.pause_mode = mode if mode in ("full", "filesystem") else "full"
+        rec.memory_digest = None
+        rec.slot = None
+        self._local_only.add(rec.sandbox_id)
+        self.fenced = self.agent.store.fenced = True
+        self.fenced_at = time.monotonic()
+        return True
 
     async def upload_pauses(self) -> bool:
         """Upload the fence's pauses to the snapshot store; True when none is left."""
@@ -229,6 +262,7 @@ class Fence:
                     await self._gone_or_moved(store, sid, rec)
                 elif rec.state == SandboxState.PAUSED:
                     await orch.lifecycle.persist(rec)
+                    self._marker(sid).unlink(missing_ok=True)
                     log.info("rejoin: sandbox %s is paused (was %s in the cluster)", sid, db.state.value)
             except AgentEnvError as e:
                 log.warning("rejoin: %s: %s", sid, e.message)
@@ -257,7 +291,9 @@ class Fence:
     def middleware(self):
         @web.middleware
         async def fenced(request: web.Request, handler):
-            if self.fenced:
+            # /health stays up: the process is fine, and a supervisor restarting a fenced node
+            # (Kubernetes' liveness probe) would throw away what it keeps for its rejoin
+            if self.fenced and not (request.path == "/health" and not self.agent.c.proxy.matches(request)):
                 return web.json_response(
                     {"code": 503, "error_code": "node_fenced",
                      "message": f"node {self.agent.node_id} is fenced (cut off from the cluster); retry later"},

@@ -260,6 +260,7 @@ async def run_node(settings: Settings, *, progress=None) -> None:
     store = NodeScopedStore(shared, settings.node_id, factory=lambda: open_cluster_store(settings))
     c = await build(settings, store=store, publish_paused=True)
     agent = NodeAgent(settings, c)
+    c.orchestrator.recover_lost = agent.fence.recover
     started = False
     try:
         await c.images.ensure_base(progress)
