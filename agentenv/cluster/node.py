@@ -227,6 +227,10 @@ class NodeAgent:
         app.router.add_post("/internal/rpc/{method}", self.rpc)
         app.router.add_post("/internal/drain", self.drain)
         app.router.add_get("/internal/status", self.status_handler)
+        if self.c.observability is not None:  # the gateways' merged event stream (cluster/view.py)
+            from agentenv.cluster.view import node_events_route
+
+            app.router.add_get("/internal/events", node_events_route(self.c.observability))
 
 
 def configure_role_logging(settings: Settings) -> None:
