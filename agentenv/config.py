@@ -150,6 +150,12 @@ class Settings(BaseSettings):
     database_url: str | None = None
     # Shared secret of the internal calls between gateway, scheduler and nodes (X-Agentenv-Cluster-Token).
     cluster_token: str | None = None
+    # Mutual TLS between the roles (docs/cluster.md "Internal traffic"; `agentenv cluster ca|cert`):
+    # the cluster CA and this role's certificate + key (PEM). Set all three and the internal traffic
+    # goes over HTTPS with client certificates; cluster_token is then not needed.
+    cluster_ca_file: Path | None = None
+    cluster_cert_file: Path | None = None
+    cluster_key_file: Path | None = None
     node_id: str = Field(default_factory=socket.gethostname)
     # URL the other roles use to reach this node's internal API and sandbox traffic.
     node_url: str | None = None

@@ -352,11 +352,23 @@ def _node_hop_proxy_class():
     from agentenv.proxy.traffic import _NO_AUTO_HEADERS, TrafficProxy
 
     class NodeHopProxy(TrafficProxy):
+        node_ssl = None  # cluster TLS: the hop goes over HTTPS with the gateway's client certificate
+
+        def _hop(self, url):
+            return url.with_scheme("https") if self.node_ssl is not None else url
+
+        async def _proxy_http(self, request, flight, url, target):
+            return await super()._proxy_http(request, flight, self._hop(url), target)
+
+        async def _proxy_websocket(self, request, flight, url, target):
+            return await super()._proxy_websocket(request, flight, self._hop(url), target)
+
         def _session(self, sandbox_id: str) -> aiohttp.ClientSession:
             session = self._sessions.get(sandbox_id)
             if session is None or session.closed:
                 session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout),
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout,
+                                                   ssl=self.node_ssl if self.node_ssl is not None else True),
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                     skip_auto_headers=_NO_AUTO_HEADERS, trust_env=False, requote_redirect_url=False)
@@ -377,9 +389,14 @@ async def run_gateway(settings: Settings) -> None:
 
     store = start_role(settings, "gateway")
     await store.open()
-    client = Client(settings.cluster_token)
+    from agentenv.cluster import tls
+
+    client_ctx = tls.client_context(settings) if tls.enabled(settings) else None
+    reloader = tls.Reloader(settings, client_ctx) if client_ctx is not None else None
+    client = Client.for_settings(settings, ssl_context=client_ctx)
     orch = ClusterOrchestrator(settings, store, client)
     proxy = _node_hop_proxy_class()(orch, domain=settings.sandbox_domain(), port_override=orch.port_override)
+    proxy.node_ssl = client_ctx
     orch.on_moved.append(proxy.close_sandbox_connections)
     auth = ApiKeyAuth(store)
     api_key = None
@@ -432,10 +449,14 @@ async def run_gateway(settings: Settings) -> None:
     try:
         async def on_started() -> None:
             tailer.start()
+            if reloader is not None:
+                reloader.start()
             _print_banner(settings, api_key)
 
         await run_app(app, settings.host, settings.port, on_started=on_started, **LISTENER_OPTIONS)
     finally:
+        if reloader is not None:
+            await reloader.stop()
         await tailer.stop()
         await proxy.close()
         await client.close()

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from agentenv.cluster import codec
 from agentenv.cluster.fence import Fence
-from agentenv.cluster.internal import Client, error_response, require_token
+from agentenv.cluster.internal import Client, cluster_auth, error_response
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError
 from agentenv.orchestrator import operations
@@ -119,7 +119,7 @@ class NodeAgent:
     # Orchestrator operations the gateway may call (keyword arguments only): the typed request table.
     RPC = operations.RPC
 
-    def __init__(self, settings: Settings, components) -> None:
+    def __init__(self, settings: Settings, components, *, client_ssl=None) -> None:
         self.settings = settings
         self.c = components
         self.orch = components.orchestrator
@@ -129,7 +129,8 @@ class NodeAgent:
         self.draining = False
         self.started_at = utcnow()
         self._task: asyncio.Task | None = None
-        self.client = Client(settings.cluster_token, timeout=max(settings.heartbeat_interval_s, 1.0))
+        self.client = Client.for_settings(settings, timeout=max(settings.heartbeat_interval_s, 1.0),
+                                          ssl_context=client_ssl)
         self.fence = Fence(self)
 
     def status(self) -> NodeRecord:
@@ -212,6 +213,10 @@ class NodeAgent:
         return web.json_response(codec.encode(result))
 
     async def drain(self, request: web.Request) -> web.Response:
+        who = request.get("cluster_peer")  # cluster TLS: a node certificate drains its own node only
+        if who is not None and who[0] == "node" and who[1] != self.node_id:
+            return web.json_response({"code": 403, "message": f"node {who[1]} cannot drain node {self.node_id}"},
+                                     status=403)
         body = await request.json() if request.can_read_body else {}
         self.draining = bool(body.get("draining", True))
         await self.heartbeat()
@@ -222,7 +227,7 @@ class NodeAgent:
         return web.json_response(codec.encode(self.status()))
 
     def add_routes(self, app: web.Application) -> None:
-        app.middlewares.insert(0, require_token(self.settings.cluster_token))
+        app.middlewares.insert(0, cluster_auth(self.settings))
         app.middlewares.insert(0, self.fence.middleware())
         app.router.add_post("/internal/rpc/{method}", self.rpc)
         app.router.add_post("/internal/drain", self.drain)
@@ -263,7 +268,12 @@ async def run_node(settings: Settings, *, progress=None) -> None:
         raise SystemExit(f"agentenv node: {e}") from None
     store = NodeScopedStore(shared, settings.node_id, factory=lambda: open_cluster_store(settings))
     c = await build(settings, store=store, publish_paused=True)
-    agent = NodeAgent(settings, c)
+    from agentenv.cluster import tls
+
+    server_ctx = tls.server_context(settings) if tls.enabled(settings) else None
+    client_ctx = tls.client_context(settings) if server_ctx is not None else None
+    reloader = tls.Reloader(settings, server_ctx, client_ctx) if server_ctx is not None else None
+    agent = NodeAgent(settings, c, client_ssl=client_ctx)
     c.orchestrator.recover_lost = agent.fence.recover
     started = False
     try:
@@ -279,11 +289,16 @@ async def run_node(settings: Settings, *, progress=None) -> None:
         async def on_started() -> None:
             await agent.heartbeat()
             agent.start()
+            if reloader is not None:
+                reloader.start()
             print(f"agentenv node {settings.node_id} is serving at {agent.url}", flush=True)
 
-        await run_app(app, settings.host, settings.port, on_started=on_started, **LISTENER_OPTIONS)
+        await run_app(app, settings.host, settings.port, on_started=on_started, ssl_context=server_ctx,
+                      **LISTENER_OPTIONS)
     finally:
         log.info("node %s shutting down", settings.node_id)
+        if reloader is not None:
+            await reloader.stop()
         await agent.stop()
         if started:
             agent.draining = True

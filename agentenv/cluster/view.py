@@ -24,7 +24,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from agentenv.cluster.internal import TOKEN_HEADER
 
 log = logging.getLogger("agentenv.cluster.view")
 
@@ -129,7 +128,7 @@ class EventTailer:
             try:
                 async with self.client.session.get(
                         f"{n.url.rstrip('/')}/internal/events", params=params,
-                        headers={TOKEN_HEADER: self.client.token},
+                        headers=self.client.headers,
                         timeout=aiohttp.ClientTimeout(total=LONG_POLL_S + 10, sock_connect=5)) as r:
                     if r.status != 200:
                         raise RuntimeError(f"HTTP {r.status}")

@@ -93,7 +93,8 @@ def test_partitioned_node_fences_then_rejoins(cluster):
     except BaseException:
         for name in ("gateway", "scheduler"):
             print(f"--- {name} log\n" + open(getattr(cluster, name).log_path, errors="replace").read()[-3000:])
-        print(f"--- node c log\n{node_c.log_tail(120)}")
+        for n in cluster.nodes.values():
+            print(f"--- node {n.name} log\n{n.log_tail(120 if n is node_c else 40)}")
         raise
     finally:
         node_c.heal()

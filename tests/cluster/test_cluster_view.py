@@ -1,7 +1,7 @@
 """One cluster view at the gateway: the merged event stream has the events of every node (each
 with its nodeID, in one increasing sequence), /sandboxes/metrics and the console's node list cover
-every node, and a signed /files URL reaches a sandbox whose traffic never went through the gateway
-(the gateway routes it by its owner, found in the shared store)."""
+every node, and a signed /files URL reaches its sandbox through a gateway replica that never
+carried its traffic (the gateway routes it by its owner, found in the shared store)."""
 
 from __future__ import annotations
 
@@ -69,15 +69,19 @@ def test_gateway_serves_one_cluster_view(cluster):
         assert requests.get(f"{gw}/observability/nodes", timeout=30).status_code == 401
         assert requests.get(f"{gw}/console/", timeout=30).status_code == 200
 
-        # ---- a signed URL for a sandbox the gateway never carried traffic for
+        # ---- a signed URL, at a gateway replica that never carried traffic for the sandbox
         sbx = created["b"]
-        direct = Sandbox.connect(sbx.sandbox_id, api_key=cluster.api_key, api_url=gw,
-                                 sandbox_url=cluster.nodes["b"].url)
-        direct.files.write("/home/user/signed.txt", "via its owner")
-        url = sbx.download_url("/home/user/signed.txt")
-        assert url.startswith(gw), url
-        r = requests.get(url, timeout=30)
-        assert r.status_code == 200 and r.text == "via its owner", (r.status_code, r.text)
+        sbx.files.write("/home/user/signed.txt", "via its owner")
+        replica = cluster.start_gateway()
+        try:
+            at_replica = Sandbox.connect(sbx.sandbox_id, api_key=cluster.api_key, api_url=replica.url,
+                                         sandbox_url=replica.url)
+            url = at_replica.download_url("/home/user/signed.txt")
+            assert url.startswith(replica.url), url
+            r = requests.get(url, timeout=30)
+            assert r.status_code == 200 and r.text == "via its owner", (r.status_code, r.text)
+        finally:
+            replica.stop()
     finally:
         for s in created.values():
             try:

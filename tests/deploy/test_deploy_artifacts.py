@@ -88,8 +88,14 @@ def test_compose_file_matches_the_compose_spec():
 def test_compose_cluster_roles_and_settings():
     doc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = doc["services"]
-    roles = {name: svc["command"][0] for name, svc in services.items() if svc.get("image", "").startswith("agentenv")}
+    roles = {name: svc["command"][0] for name, svc in services.items()
+             if svc.get("image", "").startswith("agentenv") and "entrypoint" not in svc}
     assert sorted(roles.values()) == ["gateway", "node", "node", "scheduler"], roles
+    # the one-shot pki job: the cluster CA and a certificate for each role, with the real CLI
+    pki = services["pki"]["command"][0]
+    assert "agentenv cluster ca init" in pki and pki.count("cert --role") == 4, pki
+    res = run(str(BIN / "agentenv"), "cluster", "cert", "--help")
+    assert res.returncode == 0 and all(o in res.stdout for o in ("--ca-dir", "--role", "--host", "--days")), res.stdout
     for name, svc in services.items():
         if name in roles:
             check_role(svc["command"], f"compose service {name}")
