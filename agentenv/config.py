@@ -128,6 +128,10 @@ class Settings(BaseSettings):
 
     # Snapshot store: "local" (a directory; default <data_dir>/snapshots) or "s3" (any S3-compatible store).
     snapshot_store: str = "local"
+    # Size budget of this host's artifact cache (layers, memory images, pulled VM drives; MB): over
+    # it, artifacts the snapshot store also holds and no local sandbox needs are evicted, least
+    # recently used first (pulled again on their next use). Unset: unbounded. Meant for cluster nodes.
+    artifact_cache_max_mb: int | None = Field(default=None, ge=1)
     snapshot_dir: Path | None = None
     s3_bucket: str | None = None
     s3_prefix: str = "agentenv/"

@@ -211,11 +211,16 @@ class Orchestrator:
             layers.update(rec.layers)
             if rec.memory_digest:
                 memory.add(rec.memory_digest)
+        needed_here = (set(layers), set(memory))  # what the size budget never evicts
         for snap in await self.store.list_snapshots():
             layers.update(snap.layers)
             if snap.memory_digest:
                 memory.add(snap.memory_digest)
-        return await self.host.artifacts.gc(layers, memory)
+        removed = await self.host.artifacts.gc(layers, memory)
+        if self.settings.artifact_cache_max_mb:
+            evicted = await self.host.artifacts.enforce_budget(self.settings.artifact_cache_max_mb << 20, *needed_here)
+            removed["evicted"] = len(evicted)
+        return removed
 
     # ------------------------------------------------------------------ queries (observers: no state change)
 
