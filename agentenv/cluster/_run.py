@@ -21,6 +21,11 @@ def start_role(settings, role: str):
         tls.check(settings)
     except ValueError as e:
         raise SystemExit(f"agentenv {role}: {e}") from None
+    if tls.enabled(settings):
+        for name in ("node_url", "scheduler_url"):
+            url = getattr(settings, name) or ""
+            if url.startswith("http://"):
+                raise SystemExit(f"agentenv {role}: with cluster TLS, {name} must be an https:// URL (got {url})")
     if not tls.enabled(settings) and not settings.cluster_token:
         raise SystemExit(f"agentenv {role} needs cluster TLS (AGENTENV_CLUSTER_CA_FILE, _CERT_FILE, _KEY_FILE; "
                          "`agentenv cluster ca init`) or AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and nodes)")

@@ -64,7 +64,8 @@ class Fence:
         self.fenced = False
         self.fenced_at: float | None = None
         self._local_only: set[str] = set()  # paused by the fence, not yet uploaded
-        self._store_suspect = False
+        self._store_suspect = False  # its connections were cut (fence): reconnect before the next heartbeat
+        self._store_failing_since: float | None = None
         self._holding: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
 
@@ -78,9 +79,11 @@ class Fence:
         try:
             await asyncio.wait_for(self._store_heartbeat(rec), self.attempt_s)
             self.renewed_at = max(self.renewed_at, t0)
+            self._store_failing_since = None
             return "store"
         except Exception as e:  # noqa: BLE001 - unreachable, timed out, refused: all the same here
-            self._store_suspect = True
+            if self._store_failing_since is None:
+                self._store_failing_since = t0
             log.warning("heartbeat to the state store failed: %s", e or type(e).__name__)
         url = (self.settings.scheduler_url or "").rstrip("/")
         if url:
@@ -95,9 +98,15 @@ class Fence:
 
     async def _store_heartbeat(self, rec) -> None:
         store = self.agent.store
-        if self._store_suspect:  # its pooled connections may hang on a dead peer: start afresh
+        # Failing for a while (not one slow answer under load): its pooled connections may hang on a
+        # peer the network lost, for minutes. Start afresh (the old pool closes in the background).
+        failing = self._store_failing_since is not None and \
+            time.monotonic() - self._store_failing_since > self.fence_after / 2
+        if self._store_suspect or failing:
             await store.reconnect()
             self._store_suspect = False
+            if failing:  # the next fresh start only after as long again
+                self._store_failing_since = time.monotonic()
         await store.inner.put_node(rec)
 
     async def _watch(self) -> None:

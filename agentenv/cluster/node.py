@@ -96,8 +96,8 @@ def _terminate(store) -> None:
 
 
 async def _close_quietly(store) -> None:
-    try:
-        await asyncio.wait_for(store.close(), 5)
+    try:  # what still runs on it finishes; connections the network lost are cut
+        await asyncio.wait_for(store.close(), 60)
     except (Exception, asyncio.CancelledError):  # noqa: BLE001 - connections to a lost peer: cut them
         _terminate(store)
 
@@ -126,6 +126,8 @@ class NodeAgent:
         self.store: NodeScopedStore = components.store
         self.node_id = settings.node_id
         self.url = (settings.node_url or settings.api_url()).rstrip("/")
+        if client_ssl is not None and self.url.startswith("http://"):  # cluster TLS: its listener is HTTPS
+            self.url = "https://" + self.url[len("http://"):]
         self.draining = False
         self.started_at = utcnow()
         self._task: asyncio.Task | None = None

@@ -179,8 +179,9 @@ class Pki:
     def ca(self) -> Path:
         return self.dir / "ca" / "ca.crt"
 
-    def issue(self, role: str, name: str, hosts: tuple[str, ...] = ()) -> tuple[Path, Path]:
-        return tls.issue_cert(self.dir / "ca", role, name, self.dir, hosts=list(hosts), days=1)
+    def issue(self, role: str, name: str, hosts: tuple[str, ...] = (), out: Path | None = None) -> tuple[Path, Path]:
+        """A certificate (into the roles' directory unless `out`: the roles reload theirs when it changes)."""
+        return tls.issue_cert(self.dir / "ca", role, name, out or self.dir, hosts=list(hosts), days=1)
 
     def env(self, role: str, name: str, hosts: tuple[str, ...] = ()) -> dict[str, str]:
         crt, key = self.issue(role, name, hosts)

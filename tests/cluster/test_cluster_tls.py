@@ -40,7 +40,7 @@ def test_internal_calls_need_a_cluster_certificate(cluster, tmp_path):
         requests.get(node.replace("https:", "http:") + "/internal/status", timeout=10)
 
     # roles: a node's certificate cannot place, nor heartbeat or drain for another node
-    node_a = tuple(map(str, cluster.pki.issue("node", "a")))
+    node_a = tuple(map(str, cluster.pki.issue("node", "a", out=tmp_path)))  # not node a's own files
     r = requests.post(f"{sched}/internal/place", json={"kind": "create"}, cert=node_a, verify=ca, timeout=10)
     assert r.status_code == 403, r.text
     status_b = cluster.pki.request("GET", f"{cluster.nodes['b'].url}/internal/status", timeout=10).json()
