@@ -28,7 +28,8 @@ def start_role(settings, role: str):
                 raise SystemExit(f"agentenv {role}: with cluster TLS, {name} must be an https:// URL (got {url})")
     if not tls.enabled(settings) and not settings.cluster_token:
         raise SystemExit(f"agentenv {role} needs cluster TLS (AGENTENV_CLUSTER_CA_FILE, _CERT_FILE, _KEY_FILE; "
-                         "`agentenv cluster ca init`) or AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and nodes)")
+                         "`agentenv cluster ca init`) or AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and "
+                         "nodes)")
     configure_role_logging(settings)
     return open_cluster_store(settings)
 

@@ -248,9 +248,9 @@ class Fence:
                 if r.state == SandboxState.PAUSED and sid not in mine:
                     await self._gone_or_moved(store, sid, r)
             return
-        await self._rejoin(store, mine, local)
+        await self._rejoin(store, mine)
 
-    async def _rejoin(self, store, mine: dict, local: dict) -> None:
+    async def _rejoin(self, store, mine: dict) -> None:
         if self._holding is not None and not self._holding.done():
             self.fenced = False  # stop the housekeeping loop between two rounds, then finish by hand
             self._holding.cancel()
@@ -264,6 +264,7 @@ class Fence:
             self._holding = asyncio.create_task(self._hold(), name="fenced")
             return
         self.agent.store.fenced = False  # from here on this node writes its truth back
+        local = {r.sandbox_id: r for r in orch.records()}  # after the pauses (one that failed is gone)
         for sid, rec in local.items():
             db = mine.get(sid)
             try:

@@ -167,7 +167,8 @@ class SchedulerService:
         self._nodes_at = 0.0
         self._lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
-        self._client = Client.for_settings(settings, timeout=30.0, ssl_context=ssl_context)  # probes of nodes whose heartbeats are late
+        # probes of nodes whose heartbeats are late
+        self._client = Client.for_settings(settings, timeout=30.0, ssl_context=ssl_context)
 
     async def nodes(self, max_age_s: float = 0.25) -> list[NodeRecord]:
         """The registry, re-read at most every `max_age_s` (placements come in bursts)."""

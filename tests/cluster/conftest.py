@@ -125,7 +125,8 @@ class Node:
         namespace (works while it is partitioned); 0 when nothing answers within 3 s."""
         r = subprocess.run(["ip", "netns", "exec", self.netns, "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
                             "--max-time", "3", "--cacert", str(self.pki.ca), "--cert", str(self.pki.admin[0]),
-                            "--key", str(self.pki.admin[1]), "-H", f"E2b-Sandbox-Id: {sandbox_id}", "-H", f"E2b-Sandbox-Port: {port}",
+                            "--key", str(self.pki.admin[1]), "-H", f"E2b-Sandbox-Id: {sandbox_id}",
+                            "-H", f"E2b-Sandbox-Port: {port}",
                             f"{self.url}{path}"], capture_output=True, text=True, timeout=30)
         return int(r.stdout.strip() or 0)
 
@@ -271,7 +272,8 @@ def _netns_teardown(nodes: list[tuple[str, str, str]]) -> None:
     sh("ip", "link", "del", BRIDGE, check=False)
 
 
-def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: Path, verify: str | bool = True) -> Proc:
+def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: Path,
+                verify: str | bool = True) -> Proc:
     full = dict(os.environ)
     full.update(env)
     proc = subprocess.Popen([agentenv_executable(), role], env=full, stdin=subprocess.DEVNULL,
@@ -341,7 +343,8 @@ def cluster() -> Cluster:
             d.mkdir()
             subprocess.run(["cp", "-al", str(work / "images"), str(d / "images")], check=True, timeout=300)
             env = {**common, "AGENTENV_NODE_ID": name, "AGENTENV_SCHEDULER_URL": scheduler.url,
-                   "AGENTENV_NODE_URL": f"https://{address}:{NODE_PORT}", "AGENTENV_HOST": address, "AGENTENV_PORT": str(NODE_PORT), "AGENTENV_DATA_DIR": str(d),
+                   "AGENTENV_NODE_URL": f"https://{address}:{NODE_PORT}", "AGENTENV_HOST": address,
+                   "AGENTENV_PORT": str(NODE_PORT), "AGENTENV_DATA_DIR": str(d),
                    "AGENTENV_INSTANCE": f"{TAG}{name}", "AGENTENV_SLOT_SUBNET": subnet,
                    "AGENTENV_MAX_SANDBOXES": str(MAX_SANDBOXES), "AGENTENV_ALLOW_INTERNET_ACCESS": "false"}
             env.update(pki.env("node", name, (address,)))
