@@ -33,7 +33,9 @@ and rejoin, so a sandbox the cluster gave up never runs on unnoticed.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -194,22 +196,33 @@ class Fence:
     def _marker(self, sid: str):
         return self.agent.orch.host.sandbox_dir(sid) / FENCED_MARKER
 
-    def _mark(self, sid: str) -> None:
-        rec = self.agent.orch.peek(sid)
+    def _mark(self, sid: str, sealed=None) -> None:
+        """What a restart needs to take the sandbox back: its pause mode and, once sealing began
+        (the upper and checkpoint then live on as artifacts), its layer chain and memory image."""
+        rec = sealed or self.agent.orch.peek(sid)
+        mark = {"pause_mode": (rec.pause_mode if rec is not None else None) or "full"}
+        if sealed is not None:
+            mark.update(layers=list(sealed.layers), memory_digest=sealed.memory_digest)
         try:
-            self._marker(sid).write_text((rec.pause_mode if rec is not None else None) or "full")
+            tmp = self._marker(sid).with_suffix(".tmp")
+            tmp.write_text(json.dumps(mark))
+            os.replace(tmp, self._marker(sid))
         except OSError as e:
             log.warning("fence: cannot mark %s for a restart: %s", sid, e)
 
     def recover(self, rec) -> bool:
-        """Restart hook (`Orchestrator.recover_lost`): a LOST record this node paused while fenced is
-        kept (paused, with its pause mode), and the node starts fenced so that it rejoins with it."""
+        """Restart hook (`Orchestrator.recover_fenced`): a record (LOST, or RUNNING if the cluster had
+        not declared it lost yet) this node paused while fenced is kept (paused, with its pause
+        mode), and the node starts fenced so that it rejoins with it."""
         try:
-            mode = self._marker(rec.sandbox_id).read_text().strip()
-        except OSError:
+            mark = json.loads(self._marker(rec.sandbox_id).read_text())
+        except (OSError, ValueError):
             return False
+        mode = mark.get("pause_mode")
         rec.pause_mode = mode if mode in ("full", "filesystem") else "full"
-        rec.memory_digest = None
+        rec.memory_digest = mark.get("memory_digest")
+        if "layers" in mark:  # sealed before the crash: the artifacts hold its upper and checkpoint
+            rec.layers = list(mark["layers"])
         rec.slot = None
         self._local_only.add(rec.sandbox_id)
         self.fenced = self.agent.store.fenced = True
@@ -220,7 +233,8 @@ class Fence:
         """Upload the fence's pauses to the snapshot store; True when none is left."""
         for sid in sorted(self._local_only):
             try:
-                rec = await asyncio.wait_for(self.agent.orch.pauses.publish_local(sid), 300)
+                rec = await asyncio.wait_for(
+                    self.agent.orch.pauses.publish_local(sid, on_sealed=lambda r, s=sid: self._mark(s, r)), 300)
             except Exception as e:  # noqa: BLE001 - the snapshot store may be out of reach too
                 log.warning("fence: upload of paused %s failed: %s", sid, e or type(e).__name__)
                 return False

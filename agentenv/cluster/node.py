@@ -276,7 +276,7 @@ async def run_node(settings: Settings, *, progress=None) -> None:
     client_ctx = tls.client_context(settings) if server_ctx is not None else None
     reloader = tls.Reloader(settings, server_ctx, client_ctx) if server_ctx is not None else None
     agent = NodeAgent(settings, c, client_ssl=client_ctx)
-    c.orchestrator.recover_lost = agent.fence.recover
+    c.orchestrator.recover_fenced = agent.fence.recover
     started = False
     try:
         await c.images.ensure_base(progress)

@@ -77,21 +77,29 @@ class PauseResume:
             rec.memory_digest = sealed.memory
         await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
 
-    async def publish_local(self, sandbox_id: str) -> SandboxRecord | None:
+    async def publish_local(self, sandbox_id: str, on_sealed=None) -> SandboxRecord | None:
         """Seal and upload a pause taken with `publish=False`, so any node can resume it; the record
-        (not persisted: the caller decides when) or None if it is not paused here. Retryable: a
-        sealed memory image is not sealed again, an upper already sealed is gone (nothing to add)."""
+        (not persisted: the caller decides when) or None if it is not paused here. Retryable, also
+        after a restart: an upper already sealed is gone, a memory image sealed is not sealed again.
+        `on_sealed(rec)` runs after each sealing step (the caller records the new digests: the upper
+        and the checkpoint now live on only as those artifacts)."""
         async with self.lifecycle.lock(sandbox_id):
             rec = self.lifecycle.get(sandbox_id)
             if rec is None or rec.state != SandboxState.PAUSED:
                 return None
-            memory = rec.pause_mode != "filesystem"
-            if not (memory and rec.memory_digest):
-                sealed = await self.host.seal(sandbox_id, self.host.checkpoint_dir(sandbox_id) if memory else None)
-                if sealed.layer:
-                    rec.layers = [sealed.layer] + rec.layers
-                if sealed.memory is not None:
-                    rec.memory_digest = sealed.memory
+
+            async def layer_sealed(layer: str | None) -> None:
+                if layer:
+                    rec.layers = [layer] + rec.layers
+                if on_sealed is not None:
+                    on_sealed(rec)
+
+            if self.host.rootfs.upper_path(sandbox_id).exists():
+                await self.host.seal(sandbox_id, None, on_layer=layer_sealed)
+            if rec.pause_mode != "filesystem" and not rec.memory_digest:
+                rec.memory_digest = await self.artifacts.seal_memory(self.host.checkpoint_dir(sandbox_id))
+                if on_sealed is not None:
+                    on_sealed(rec)
             await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
             return rec
 

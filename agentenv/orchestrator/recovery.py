@@ -59,7 +59,8 @@ async def reconcile(orch: "Orchestrator") -> None:
             lifecycle.adopt(rec)
             keep.add(rec.sandbox_id)
             log.info("paused sandbox %s is resumable", rec.sandbox_id)
-        elif rec.state == SandboxState.LOST and orch.recover_lost is not None and orch.recover_lost(rec):
+        elif rec.state in (SandboxState.LOST, SandboxState.RUNNING) and orch.recover_fenced is not None \
+                and orch.recover_fenced(rec):
             # a cluster node paused it onto its disk while fenced (cluster/fence.py): it rejoins with it
             lifecycle.adopt(rec, SandboxState.PAUSED)
             keep.add(rec.sandbox_id)

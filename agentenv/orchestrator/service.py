@@ -83,9 +83,9 @@ class Orchestrator:
         self.resolver = TrafficResolver(self.lifecycle.get, self.lifecycle.records, self.host.slots,
                                         self.resume_on_traffic)
         self._reaper: asyncio.Task | None = None
-        # Cluster nodes: whether a LOST record is kept on restart (a fenced node's pause on its disk;
-        # the hook sets its pause_mode). None: every LOST record is dropped.
-        self.recover_lost: Any = None
+        # Cluster nodes: whether a LOST (or RUNNING but stopped) record is kept on restart, as paused:
+        # a fenced node's pause on its disk; the hook sets its pause_mode. None: they are dropped.
+        self.recover_fenced: Any = None
         self._handlers: dict[type, Any] = {
             ops.CreateSandbox: self.starts.create, ops.KillSandbox: self._kill, ops.PauseSandbox: self._pause,
             ops.ConnectSandbox: self._connect, ops.WakeSandbox: self._wake, ops.ForkSandbox: self._fork,

@@ -105,3 +105,44 @@ def test_partitioned_node_fences_then_rejoins(cluster):
                 pass
         if cluster.node_status().get("c", {}).get("state") != "active":
             cluster.restart_node("c")
+
+
+def test_fenced_node_that_restarts_keeps_its_paused_sandbox(cluster):
+    """A fenced node that crashes before it could rejoin keeps what it paused onto its disk: after the
+    restart it starts fenced, rejoins, and the sandbox resumes with its file and process."""
+    opts = cluster.sdk_opts()
+    node_c = cluster.nodes["c"]
+    created: list[Sandbox] = []
+    try:
+        created += _on_c(cluster, opts, 1)
+        (sbx,) = created
+        sbx.files.write("/home/user/kept.txt", "across the crash")
+        pid = sbx.commands.run("sleep 3600 >/dev/null 2>&1 & echo $!").stdout.strip()
+        node_c.partition()
+        deadline = time.monotonic() + 90
+        while f"fence: sandbox {sbx.sandbox_id} paused" not in node_c.log_tail(200):
+            assert time.monotonic() < deadline, f"node c never paused its sandbox:\n{node_c.log_tail(60)}"
+            time.sleep(0.5)
+        node_c.kill9()  # a crash while fenced; it restarts once the network is back
+        node_c.heal()
+        node_c.start()
+        cluster.wait_nodes(["c"])
+        log = node_c.log_tail(400)
+        assert "kept for its rejoin" in log and "rejoined the cluster" in log
+        assert bindings(cluster)[sbx.sandbox_id] == ("c", "paused")
+        back = Sandbox.connect(sbx.sandbox_id, timeout=600, **opts)
+        assert back.files.read("/home/user/kept.txt") == "across the crash"
+        assert back.commands.run(f"kill -0 {pid} && echo alive").stdout.strip() == "alive"
+    except BaseException:
+        print(f"--- node c log\n{node_c.log_tail(150)}")
+        raise
+    finally:
+        node_c.heal()
+        for s in created:
+            try:
+                Sandbox.kill(s.sandbox_id, **opts)
+            except Exception:  # noqa: BLE001 - best effort; the fixture's gc removes the rest
+                pass
+        if node_c.proc is None or node_c.proc.poll() is not None or \
+                cluster.node_status().get("c", {}).get("state") != "active":
+            cluster.restart_node("c")
