@@ -17,6 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from agentenv import __version__, cli_db, cli_sandbox, cli_timetravel
+from agentenv.cli_cluster import cluster as cluster_group
 from agentenv.config import Settings
 from agentenv.hostsetup import setup_command
 from agentenv.mcp_server import mcp_command
@@ -175,17 +176,15 @@ def scheduler(host: str | None, port: int | None) -> None:
 @click.option("--undo", is_flag=True, help="accept new sandboxes again")
 def drain(node_url: str | None, undo: bool) -> None:
     """Stop placing new sandboxes on a node (e.g. before maintenance or a pod's termination)."""
-    import aiohttp
-
-    from agentenv.cluster.internal import TOKEN_HEADER
+    from agentenv.cluster.internal import Client
 
     settings = _settings(None)
     url = (node_url or settings.node_url or settings.api_url()).rstrip("/")
 
     async def go() -> dict:
-        async with aiohttp.ClientSession() as s, s.post(
-                f"{url}/internal/drain", json={"draining": not undo},
-                headers={TOKEN_HEADER: settings.cluster_token or ""}) as r:
+        client = Client.for_settings(settings, timeout=60)  # cluster TLS: the node's own certificate
+        async with client.session as s, s.post(
+                f"{url}/internal/drain", json={"draining": not undo}, headers=client.headers) as r:
             body = await r.json(content_type=None)
             if r.status >= 400:
                 raise click.ClickException(f"{url}: {r.status} {body}")
@@ -786,6 +785,7 @@ def snapshot_delete(snapshot_ids, api_url, api_key) -> None:
 cli_sandbox.register(sandbox, templates)
 cli_db.register(main, _settings)
 cli_timetravel.register(sandbox, main)  # sandbox checkpoint|rollback|checkpoints, checkpoint tree
+main.add_command(cluster_group)
 main.add_command(templates, "template")  # `agentenv template build`, as E2B's CLI spells it
 main.add_command(mcp_command)
 main.add_command(setup_command)  # host packages (agentenv/hostsetup/host-packages.sh)

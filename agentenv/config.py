@@ -15,6 +15,9 @@ from urllib.parse import urlsplit
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+# How often a cluster node checks its lease (`Settings.fence_timing`).
+FENCE_CHECK_S = 0.5
+
 
 def _config_file() -> Path | None:
     p = os.environ.get("AGENTENV_CONFIG")
@@ -140,6 +143,10 @@ class Settings(BaseSettings):
 
     # Snapshot store: "local" (a directory; default <data_dir>/snapshots) or "s3" (any S3-compatible store).
     snapshot_store: str = "local"
+    # Size budget of this host's artifact cache (layers, memory images, pulled VM drives; MB): over
+    # it, artifacts the snapshot store also holds and no local sandbox needs are evicted, least
+    # recently used first (pulled again on their next use). Unset: unbounded. Meant for cluster nodes.
+    artifact_cache_max_mb: int | None = Field(default=None, ge=1)
     snapshot_dir: Path | None = None
     s3_bucket: str | None = None
     s3_prefix: str = "agentenv/"
@@ -162,12 +169,22 @@ class Settings(BaseSettings):
     database_url: str | None = None
     # Shared secret of the internal calls between gateway, scheduler and nodes (X-Agentenv-Cluster-Token).
     cluster_token: str | None = None
+    # Mutual TLS between the roles (docs/cluster.md "Internal traffic"; `agentenv cluster ca|cert`):
+    # the cluster CA and this role's certificate + key (PEM). Set all three and the internal traffic
+    # goes over HTTPS with client certificates; cluster_token is then not needed.
+    cluster_ca_file: Path | None = None
+    cluster_cert_file: Path | None = None
+    cluster_key_file: Path | None = None
     node_id: str = Field(default_factory=socket.gethostname)
     # URL the other roles use to reach this node's internal API and sandbox traffic.
     node_url: str | None = None
     scheduler_url: str | None = None
     heartbeat_interval_s: float = Field(default=2.0, gt=0)
     node_dead_after_s: float = Field(default=10.0, gt=0)
+    # Node lease (docs/cluster.md, "Fencing"): a node whose heartbeats reached neither the state store
+    # nor the scheduler for this long stops serving its sandboxes. Unset: 0.6 x node_dead_after_s.
+    # Must leave room before the scheduler's deadline (checked by `fence_timing`).
+    node_fence_after_s: float | None = Field(default=None, gt=0)
     # On SIGTERM a node agent drains: it stops taking sandboxes and pauses its running ones into the
     # snapshot store (any node resumes them) before it exits, instead of killing them.
     drain_on_stop: bool = True
@@ -177,6 +194,22 @@ class Settings(BaseSettings):
     max_starting_per_node: int = Field(default=4, ge=1)
     # Gateway: how long a create waits for room in the cluster before the typed 503 (cluster_full).
     admission_wait_s: float = Field(default=20.0, ge=0)
+
+    def fence_after_s(self) -> float:
+        return self.node_fence_after_s if self.node_fence_after_s is not None else 0.6 * self.node_dead_after_s
+
+    def fence_timing(self) -> tuple[float, float]:
+        """(latest moment a cut-off node has stopped serving, the scheduler's dead-node deadline), both
+        counted from the node's last heartbeat that got through; raises ValueError unless the first
+        comes at least a second before the second. The node notices a lapsed lease within
+        `FENCE_CHECK_S`, then makes one last heartbeat attempt (`heartbeat_interval_s` at most)."""
+        stop = self.fence_after_s() + FENCE_CHECK_S + self.heartbeat_interval_s
+        if stop + 1.0 > self.node_dead_after_s:
+            raise ValueError(
+                f"node_fence_after_s ({self.fence_after_s():g}) + {FENCE_CHECK_S:g} + heartbeat_interval_s "
+                f"({self.heartbeat_interval_s:g}) + 1 must not exceed node_dead_after_s ({self.node_dead_after_s:g}): "
+                "a cut-off node must stop serving its sandboxes before the scheduler declares them lost")
+        return stop, self.node_dead_after_s
 
     # API key created on first start if none exists (printed by `serve`).
     bootstrap_api_key: str | None = Field(default=None)

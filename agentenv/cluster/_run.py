@@ -15,19 +15,32 @@ def start_role(settings, role: str):
     return the (not yet opened) cluster state store."""
     from agentenv.cluster.node import configure_role_logging, open_cluster_store
 
-    if not settings.cluster_token:
-        raise SystemExit(f"agentenv {role} needs AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and nodes)")
+    from agentenv.cluster import tls
+
+    try:
+        tls.check(settings)
+    except ValueError as e:
+        raise SystemExit(f"agentenv {role}: {e}") from None
+    if tls.enabled(settings):
+        for name in ("node_url", "scheduler_url"):
+            url = getattr(settings, name) or ""
+            if url.startswith("http://"):
+                raise SystemExit(f"agentenv {role}: with cluster TLS, {name} must be an https:// URL (got {url})")
+    if not tls.enabled(settings) and not settings.cluster_token:
+        raise SystemExit(f"agentenv {role} needs cluster TLS (AGENTENV_CLUSTER_CA_FILE, _CERT_FILE, _KEY_FILE; "
+                         "`agentenv cluster ca init`) or AGENTENV_CLUSTER_TOKEN (shared by gateway, scheduler and "
+                         "nodes)")
     configure_role_logging(settings)
     return open_cluster_store(settings)
 
 
 async def run_app(app: web.Application, host: str, port: int, *, on_started: Callable[[], Awaitable[None]] | None = None,
-                  **runner_options) -> None:
+                  ssl_context=None, **runner_options) -> None:
     from agentenv.server import StartupError, wait_for_stop_signal
 
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
+    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
     try:
         try:
             await site.start()

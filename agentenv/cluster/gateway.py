@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from yarl import URL
@@ -32,7 +33,8 @@ from agentenv.runtimes import select as runtime_select
 log = logging.getLogger("agentenv.cluster.gateway")
 
 # Node answers after which another node is tried for the same create.
-_RETRY_ELSEWHERE = {"capacity_exhausted", "node_unreachable"}
+LIST_TIMEOUT_S = 30.0
+_RETRY_ELSEWHERE = {"capacity_exhausted", "node_unreachable", "node_fenced"}
 
 
 @dataclass
@@ -58,6 +60,8 @@ class ClusterOrchestrator:
         self._nodes: dict[str, NodeRecord] = {}
         self._nodes_at = 0.0
         self._routes: dict[str, tuple[float, _Route]] = {}
+        self._running: list[_Route] = []
+        self._running_at = 0.0
         self.on_moved: list = []  # awaited with a sandbox id whose traffic must reconnect (pause, kill, move)
 
     # ------------------------------------------------------------------ nodes and bindings
@@ -160,8 +164,9 @@ class ClusterOrchestrator:
     async def list_sandboxes(self, *, team_id: str) -> list[SandboxRecord]:
         """Fan out to every live node; merged (a sandbox moving between nodes is listed once)."""
         nodes = [n for n in (await self.nodes(max_age_s=0.2)).values() if n.state != "dead"]
-        results = await asyncio.gather(*(self.client.rpc(n.url, "list_sandboxes", team_id=team_id) for n in nodes),
-                                       return_exceptions=True)
+        # a node cut off the network (not yet declared dead) must not hold the list up
+        results = await asyncio.gather(*(asyncio.wait_for(self.client.rpc(n.url, "list_sandboxes", team_id=team_id),
+                                                          LIST_TIMEOUT_S) for n in nodes), return_exceptions=True)
         merged: dict[str, SandboxRecord] = {}
         for n, res in zip(nodes, results):
             if isinstance(res, BaseException):
@@ -313,9 +318,27 @@ class ClusterOrchestrator:
             self._routes.clear()
         return route
 
+    async def load_running_routes(self, max_age_s: float = 1.0) -> None:
+        """Every running sandbox of the cluster (from the store, at most `max_age_s` old), for the
+        signed /files URLs, which name no sandbox: the proxy matches the signature against each
+        one's envd token and sends the request to its owner."""
+        if time.monotonic() - self._running_at <= max_age_s:
+            return
+        nodes = await self.nodes()
+        routes = []
+        for rec in await self.store.list_sandboxes(states=[SandboxState.RUNNING]):
+            node = nodes.get(rec.node_id)
+            if node is None or node.state == "dead" or not rec.envd_access_token:
+                continue
+            url = URL(node.url)
+            routes.append(_Route(rec.sandbox_id, url.host, "running", rec.envd_access_token,
+                                 rec.traffic_access_token, url.port or 80))
+        self._running, self._running_at = routes, time.monotonic()
+
     def running_routes(self):
-        """Signed /files URLs are matched against the sandboxes this gateway routed recently."""
-        return [r for _t, r in self._routes.values()]
+        """The running sandboxes `load_running_routes` read, and those routed recently."""
+        recent = {r.sandbox_id: r for _t, r in self._routes.values()}
+        return list({**{r.sandbox_id: r for r in self._running}, **recent}.values())
 
     async def forward_get(self, request, sandbox_id: str):
         """A sandbox-scoped read the node answers from its own data (metrics, logs): relayed as is.
@@ -348,11 +371,23 @@ def _node_hop_proxy_class():
     from agentenv.proxy.traffic import _NO_AUTO_HEADERS, TrafficProxy
 
     class NodeHopProxy(TrafficProxy):
+        node_ssl = None  # cluster TLS: the hop goes over HTTPS with the gateway's client certificate
+
+        def _hop(self, url):
+            return url.with_scheme("https") if self.node_ssl is not None else url
+
+        async def _proxy_http(self, request, flight, url, target):
+            return await super()._proxy_http(request, flight, self._hop(url), target)
+
+        async def _proxy_websocket(self, request, flight, url, target):
+            return await super()._proxy_websocket(request, flight, self._hop(url), target)
+
         def _session(self, sandbox_id: str) -> aiohttp.ClientSession:
             session = self._sessions.get(sandbox_id)
             if session is None or session.closed:
                 session = aiohttp.ClientSession(
-                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout),
+                    connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=self._idle_timeout,
+                                                   ssl=self.node_ssl if self.node_ssl is not None else True),
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                     skip_auto_headers=_NO_AUTO_HEADERS, trust_env=False, requote_redirect_url=False)
@@ -373,9 +408,14 @@ async def run_gateway(settings: Settings) -> None:
 
     store = start_role(settings, "gateway")
     await store.open()
-    client = Client(settings.cluster_token)
+    from agentenv.cluster import tls
+
+    client_ctx = tls.client_context(settings) if tls.enabled(settings) else None
+    reloader = tls.Reloader(settings, client_ctx) if client_ctx is not None else None
+    client = Client.for_settings(settings, ssl_context=client_ctx)
     orch = ClusterOrchestrator(settings, store, client)
     proxy = _node_hop_proxy_class()(orch, domain=settings.sandbox_domain(), port_override=orch.port_override)
+    proxy.node_ssl = client_ctx
     orch.on_moved.append(proxy.close_sandbox_connections)
     auth = ApiKeyAuth(store)
     api_key = None
@@ -385,36 +425,58 @@ async def run_gateway(settings: Settings) -> None:
 
     import re
 
-    from agentenv.api.app import _error_response
+    from agentenv.api.app import CORS_HEADERS, _error_response
+    from agentenv.cluster.view import FAN_OUT, ClusterEvents, EventTailer, fan_out_get
 
     node_reads = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]+)/(?:metrics|logs)$")
+
+    events = ClusterEvents()
+    tailer = EventTailer(orch, client, events)
 
     @web.middleware
     async def sandbox_traffic(request: web.Request, handler):
         if proxy.matches(request):
+            if request.path == "/files" and request.query.get("signature"):
+                await orch.load_running_routes()  # signed URLs name no sandbox: any running one may match
             return await proxy.handle(request)
         m = node_reads.match(request.path) if request.method == "GET" else None
-        if m is not None:  # answered by the node that holds the sandbox's metrics and logs
+        fan_out = request.method == "GET" and request.path in FAN_OUT
+        if m is not None or fan_out:  # answered by the nodes that hold the metrics, logs, lineage
             try:
                 await auth.authenticate(request.headers.get("X-API-KEY"))
-                return await orch.forward_get(request, m.group(1))
+                if fan_out:
+                    resp = await fan_out_get(orch, client, request)
+                else:
+                    resp = await orch.forward_get(request, m.group(1))
             except AgentEnvError as e:
                 resp = _error_response(e.status, e.to_json())
                 resp.headers.update(e.headers)
-                return resp
+            resp.headers.update(CORS_HEADERS)
+            return resp
         return await handler(request)
 
     app = web.Application(middlewares=[sandbox_traffic], client_max_size=16 * 1024 * 1024)
-    setup_api(app, orch, auth, settings)
+    ctx = setup_api(app, orch, auth, settings)
+    ctx.observability = SimpleNamespace(events=events)  # the public /events handler over the merged log
     from agentenv.observability.roles import mount_role_metrics
 
     mount_role_metrics(app, settings, role="gateway", list_nodes=store.list_nodes)
+    if settings.console:
+        from agentenv.console import mount_console
+
+        mount_console(app)
     try:
         async def on_started() -> None:
+            tailer.start()
+            if reloader is not None:
+                reloader.start()
             _print_banner(settings, api_key)
 
         await run_app(app, settings.host, settings.port, on_started=on_started, **LISTENER_OPTIONS)
     finally:
+        if reloader is not None:
+            await reloader.stop()
+        await tailer.stop()
         await proxy.close()
         await client.close()
         await store.close()

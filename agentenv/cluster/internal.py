@@ -38,6 +38,14 @@ def require_token(token: str | None):
     return check
 
 
+def cluster_auth(settings):
+    """The check of an internal listener: the client certificate with cluster TLS (every route but
+    /health), else the shared token (the /internal/ routes)."""
+    from agentenv.cluster import tls
+
+    return tls.require_peer() if tls.enabled(settings) else require_token(settings.cluster_token)
+
+
 def error_response(e: AgentEnvError) -> web.Response:
     return web.json_response({"code": e.status, "message": e.message, "error_code": e.error_code},
                              status=e.status, headers=e.headers)
@@ -46,18 +54,33 @@ def error_response(e: AgentEnvError) -> web.Response:
 class Client:
     """Calls other roles' internal routes over one pooled aiohttp session."""
 
-    def __init__(self, token: str | None, *, timeout: float = 600.0) -> None:
+    def __init__(self, token: str | None, *, timeout: float = 600.0, ssl_context=None) -> None:
         self.token = token or ""
+        self.ssl_context = ssl_context  # cluster TLS: our client certificate, the cluster CA
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=5)
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def for_settings(cls, settings, *, timeout: float = 600.0, ssl_context=None) -> "Client":
+        """With cluster TLS: no token, the role's certificate (`ssl_context`, or a new one)."""
+        from agentenv.cluster import tls
+
+        if tls.enabled(settings):
+            return cls(None, timeout=timeout, ssl_context=ssl_context or tls.client_context(settings))
+        return cls(settings.cluster_token, timeout=timeout)
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
-                trust_env=False)
+                timeout=self._timeout, trust_env=False,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30,
+                                               ssl=self.ssl_context if self.ssl_context is not None else True))
         return self._session
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {TOKEN_HEADER: self.token} if self.token else {}
 
     async def close(self) -> None:
         if self._session is not None:
@@ -66,7 +89,7 @@ class Client:
     async def post(self, url: str, body: dict[str, Any], *, what: str) -> Any:
         """POST JSON; a typed error answer is raised as that AgentEnvError, an unreachable peer as 503."""
         try:
-            async with self.session.post(url, json=body, headers={TOKEN_HEADER: self.token}) as resp:
+            async with self.session.post(url, json=body, headers=self.headers) as resp:
                 data = await resp.json(content_type=None) if resp.content_length != 0 else None
                 if resp.status >= 400:
                     raise codec.error_from(data if isinstance(data, dict) else {"message": str(data)},

@@ -18,7 +18,8 @@ from typing import Any
 from aiohttp import web
 
 from agentenv.cluster import codec
-from agentenv.cluster.internal import error_response, require_token
+from agentenv.cluster.fence import Fence
+from agentenv.cluster.internal import Client, cluster_auth, error_response
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError
 from agentenv.orchestrator import operations
@@ -28,19 +29,30 @@ log = logging.getLogger("agentenv.cluster.node")
 
 
 class NodeScopedStore:
-    """The shared cluster store as one node sees it (wraps a `ClusterStateStore`)."""
+    """The shared cluster store as one node sees it (wraps a `ClusterStateStore`).
 
-    def __init__(self, inner, node_id: str) -> None:
+    While the node is fenced (`cluster/fence.py`) its sandbox writes are dropped: the cluster's
+    truth stays as the cluster left it, and the node writes its own back when it rejoins."""
+
+    def __init__(self, inner, node_id: str, factory=None) -> None:
         self.inner = inner
         self.node_id = node_id
+        self.fenced = False
+        self._factory = factory  # a fresh, unopened store (reconnect)
 
     def __getattr__(self, name: str) -> Any:  # templates, keys, snapshots, nodes: shared as they are
         return getattr(self.inner, name)
 
     async def put_sandbox(self, rec: SandboxRecord) -> None:
+        if self.fenced:
+            log.debug("fenced: not writing %s (%s)", rec.sandbox_id, rec.state.value)
+            return
         await self.inner.put_sandbox_of(rec, self.node_id)
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
+        if self.fenced:
+            log.debug("fenced: not deleting %s", sandbox_id)
+            return
         await self.inner.delete_sandbox_of(sandbox_id, self.node_id)
 
     async def list_sandboxes(self, *, team_id: str | None = None, states: list[SandboxState] | None = None,
@@ -49,6 +61,45 @@ class NodeScopedStore:
 
     async def claim_sandbox(self, sandbox_id: str, from_node: str) -> bool:
         return await self.inner.claim_sandbox(sandbox_id, from_node, self.node_id)
+
+    async def reconnect(self) -> None:
+        """Replace the store by a freshly connected one (after the network lost the old one's
+        connections, queries on them can hang for minutes); the old one closes in the background."""
+        if self._factory is None:
+            return
+        fresh = self._factory()
+        try:
+            await fresh.open()
+        except BaseException:
+            asyncio.get_running_loop().create_task(_close_quietly(fresh))
+            raise
+        old, self.inner = self.inner, fresh
+        asyncio.get_running_loop().create_task(_close_quietly(old))
+
+
+    def abandon(self) -> None:
+        """Drop the store's connections at once (on fencing): a write still queued on a connection
+        the network cut must not land when the network comes back, after the node rejoined."""
+        _terminate(self.inner)
+
+
+def _terminate(store) -> None:
+    # SQLStateStore.terminate() cuts every driver connection (asyncpg) now, without a round trip.
+    for obj in (store, getattr(store, "_pool", None)):
+        terminate = getattr(obj, "terminate", None)
+        if callable(terminate):
+            try:
+                terminate()
+            except Exception:  # noqa: BLE001
+                log.exception("terminating the state store's connections")
+            return
+
+
+async def _close_quietly(store) -> None:
+    try:  # what still runs on it finishes; connections the network lost are cut
+        await asyncio.wait_for(store.close(), 60)
+    except (Exception, asyncio.CancelledError):  # noqa: BLE001 - connections to a lost peer: cut them
+        _terminate(store)
 
 
 def _meminfo_mb() -> tuple[int, int]:
@@ -68,16 +119,21 @@ class NodeAgent:
     # Orchestrator operations the gateway may call (keyword arguments only): the typed request table.
     RPC = operations.RPC
 
-    def __init__(self, settings: Settings, components) -> None:
+    def __init__(self, settings: Settings, components, *, client_ssl=None) -> None:
         self.settings = settings
         self.c = components
         self.orch = components.orchestrator
         self.store: NodeScopedStore = components.store
         self.node_id = settings.node_id
         self.url = (settings.node_url or settings.api_url()).rstrip("/")
+        if client_ssl is not None and self.url.startswith("http://"):  # cluster TLS: its listener is HTTPS
+            self.url = "https://" + self.url[len("http://"):]
         self.draining = False
         self.started_at = utcnow()
         self._task: asyncio.Task | None = None
+        self.client = Client.for_settings(settings, timeout=max(settings.heartbeat_interval_s, 1.0),
+                                          ssl_context=client_ssl)
+        self.fence = Fence(self)
 
     def status(self) -> NodeRecord:
         count, cpu, mem = self.orch.usage()
@@ -86,19 +142,17 @@ class NodeAgent:
         layers_dir = self.orch.artifacts.root / "layers"
         cached = sorted(p.name for p in layers_dir.iterdir() if not p.name.startswith(".")) if layers_dir.exists() else []
         return NodeRecord(
-            node_id=self.node_id, url=self.url, state="draining" if self.draining else "active", cpu_count=ncpu,
+            node_id=self.node_id, url=self.url,
+            state="fenced" if self.fence.fenced else "draining" if self.draining else "active", cpu_count=ncpu,
             memory_mb=total_mb, max_sandboxes=self.settings.max_sandboxes, sandboxes=count, alloc_cpu=cpu,
             alloc_memory_mb=mem, load=round(os.getloadavg()[0] / ncpu, 3), used_memory_mb=used_mb,
             cached_layers=cached, runtimes=list(self.orch.runtimes), started_at=self.started_at)
 
     async def heartbeat(self) -> None:
-        await self.store.put_node(self.status())
-        # Paused sandboxes another node took over (while this one was away, or without a release call).
-        mine = self.orch.paused_ids()
-        if mine:
-            still = {r.sandbox_id for r in await self.store.list_sandboxes(states=[SandboxState.PAUSED])}
-            for sid in mine - still:
-                await self.orch.release_sandbox(sid)
+        """Renew the lease (`fence.Fence`); when the state store took it, reconcile with it: paused
+        sandboxes another node took over are released, a fenced node rejoins."""
+        if await self.fence.renew() == "store":
+            await self.fence.reconcile()
 
     async def pause_running(self, timeout: float) -> tuple[list[str], list[str]]:
         """Termination drain: pause every running sandbox into the snapshot store (a node pause
@@ -141,11 +195,13 @@ class NodeAgent:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        self.fence.start()
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.fence.stop()
 
     # ------------------------------------------------------------------ internal HTTP
 
@@ -159,6 +215,10 @@ class NodeAgent:
         return web.json_response(codec.encode(result))
 
     async def drain(self, request: web.Request) -> web.Response:
+        who = request.get("cluster_peer")  # cluster TLS: a node certificate drains its own node only
+        if who is not None and who[0] == "node" and who[1] != self.node_id:
+            return web.json_response({"code": 403, "message": f"node {who[1]} cannot drain node {self.node_id}"},
+                                     status=403)
         body = await request.json() if request.can_read_body else {}
         self.draining = bool(body.get("draining", True))
         await self.heartbeat()
@@ -169,10 +229,15 @@ class NodeAgent:
         return web.json_response(codec.encode(self.status()))
 
     def add_routes(self, app: web.Application) -> None:
-        app.middlewares.insert(0, require_token(self.settings.cluster_token))
+        app.middlewares.insert(0, cluster_auth(self.settings))
+        app.middlewares.insert(0, self.fence.middleware())
         app.router.add_post("/internal/rpc/{method}", self.rpc)
         app.router.add_post("/internal/drain", self.drain)
         app.router.add_get("/internal/status", self.status_handler)
+        if self.c.observability is not None:  # the gateways' merged event stream (cluster/view.py)
+            from agentenv.cluster.view import node_events_route
+
+            app.router.add_get("/internal/events", node_events_route(self.c.observability))
 
 
 def configure_role_logging(settings: Settings) -> None:
@@ -199,9 +264,19 @@ async def run_node(settings: Settings, *, progress=None) -> None:
     shared = start_role(settings, "node")
     become_subreaper()
     reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
-    store = NodeScopedStore(shared, settings.node_id)
+    try:
+        settings.fence_timing()
+    except ValueError as e:
+        raise SystemExit(f"agentenv node: {e}") from None
+    store = NodeScopedStore(shared, settings.node_id, factory=lambda: open_cluster_store(settings))
     c = await build(settings, store=store, publish_paused=True)
-    agent = NodeAgent(settings, c)
+    from agentenv.cluster import tls
+
+    server_ctx = tls.server_context(settings) if tls.enabled(settings) else None
+    client_ctx = tls.client_context(settings) if server_ctx is not None else None
+    reloader = tls.Reloader(settings, server_ctx, client_ctx) if server_ctx is not None else None
+    agent = NodeAgent(settings, c, client_ssl=client_ctx)
+    c.orchestrator.recover_fenced = agent.fence.recover
     started = False
     try:
         await c.images.ensure_base(progress)
@@ -216,27 +291,30 @@ async def run_node(settings: Settings, *, progress=None) -> None:
         async def on_started() -> None:
             await agent.heartbeat()
             agent.start()
+            if reloader is not None:
+                reloader.start()
             print(f"agentenv node {settings.node_id} is serving at {agent.url}", flush=True)
 
-        await run_app(app, settings.host, settings.port, on_started=on_started, **LISTENER_OPTIONS)
+        await run_app(app, settings.host, settings.port, on_started=on_started, ssl_context=server_ctx,
+                      **LISTENER_OPTIONS)
     finally:
         log.info("node %s shutting down", settings.node_id)
+        if reloader is not None:
+            await reloader.stop()
         await agent.stop()
         if started:
             agent.draining = True
-            try:
-                await agent.heartbeat()  # nothing new is placed here while we stop
-            except Exception:  # noqa: BLE001
-                pass
+            await agent.fence.renew()  # nothing new is placed here while we stop
             if settings.drain_on_stop:
                 await agent.pause_running(settings.drain_timeout_s)
             await c.orchestrator.stop()
             if c.observability is not None:
                 await c.observability.stop()
             try:  # left cleanly: its paused sandboxes (published) resume elsewhere; nothing is lost
-                await store.set_node_state(settings.node_id, "dead")
+                await asyncio.wait_for(store.set_node_state(settings.node_id, "dead"), 10)
             except Exception:  # noqa: BLE001
                 pass
+        await agent.client.close()
         await c.proxy.close()
         await store.inner.close()
         reaper.cancel()

@@ -34,7 +34,7 @@ import aiohttp
 from aiohttp import web
 
 from agentenv.cluster import codec
-from agentenv.cluster.internal import TOKEN_HEADER, Client, error_response, require_token
+from agentenv.cluster.internal import Client, cluster_auth, error_response
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Unavailable
 from agentenv.models import NodeRecord, utcnow
@@ -157,7 +157,7 @@ class Placement:
 
 
 class SchedulerService:
-    def __init__(self, settings: Settings, store) -> None:
+    def __init__(self, settings: Settings, store, *, ssl_context=None) -> None:
         self.settings = settings
         self.store = store
         self.placement = Placement(dead_after_s=settings.node_dead_after_s,
@@ -167,7 +167,8 @@ class SchedulerService:
         self._nodes_at = 0.0
         self._lock = asyncio.Lock()
         self._sweeper: asyncio.Task | None = None
-        self._client = Client(settings.cluster_token, timeout=30.0)  # probes of nodes whose heartbeats are late
+        # probes of nodes whose heartbeats are late
+        self._client = Client.for_settings(settings, timeout=30.0, ssl_context=ssl_context)
 
     async def nodes(self, max_age_s: float = 0.25) -> list[NodeRecord]:
         """The registry, re-read at most every `max_age_s` (placements come in bursts)."""
@@ -215,6 +216,19 @@ class SchedulerService:
             self._room.notify_all()
         return web.Response(status=204)
 
+    async def relay_heartbeat(self, request: web.Request) -> web.Response:
+        """A node that cannot reach the state store heartbeats here; written for it (its lease,
+        docs/cluster.md "Fencing"), so a node cut off from the store only is not declared dead."""
+        rec = codec.decode(await request.json())
+        if not isinstance(rec, NodeRecord):
+            return error_response(BadRequest("a heartbeat is a node record"))
+        who = request.get("cluster_peer")  # cluster TLS: a node heartbeats for itself only
+        if who is not None and who[1] != rec.node_id:
+            return web.json_response({"code": 403, "message": f"node {who[1]} cannot heartbeat for {rec.node_id}"},
+                                     status=403)
+        await self.store.put_node(rec)
+        return web.Response(status=204)
+
     async def list_nodes(self, request: web.Request) -> web.Response:
         return web.json_response(codec.encode(await self.store.list_nodes()))
 
@@ -222,7 +236,7 @@ class SchedulerService:
         """Whether a node with late heartbeats still answers `GET /internal/status`."""
         try:
             async with self._client.session.get(
-                    f"{n.url.rstrip('/')}/internal/status", headers={TOKEN_HEADER: self._client.token},
+                    f"{n.url.rstrip('/')}/internal/status", headers=self._client.headers,
                     timeout=aiohttp.ClientTimeout(total=max(1.0, self.settings.node_dead_after_s / 2))) as r:
                 return r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -266,10 +280,11 @@ class SchedulerService:
         await self._client.close()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[require_token(self.settings.cluster_token)])
+        app = web.Application(middlewares=[cluster_auth(self.settings)])
         app.router.add_post("/internal/place", self.place)
         app.router.add_post("/internal/release", self.release)
         app.router.add_get("/internal/nodes", self.list_nodes)
+        app.router.add_post("/internal/heartbeat", self.relay_heartbeat)
         app.router.add_get("/health", lambda _r: web.Response(text="ok"))
         from agentenv.observability.roles import mount_role_metrics
 
@@ -281,14 +296,28 @@ async def run_scheduler(settings: Settings) -> None:
     from agentenv.cluster._run import run_app, start_role
 
     store = start_role(settings, "scheduler")
+    try:
+        settings.fence_timing()  # the nodes' lease must lapse before this scheduler's deadline
+    except ValueError as e:
+        raise SystemExit(f"agentenv scheduler: {e}") from None
     await store.open()
-    svc = SchedulerService(settings, store)
+    from agentenv.cluster import tls
+
+    server_ctx = tls.server_context(settings) if tls.enabled(settings) else None
+    client_ctx = tls.client_context(settings) if server_ctx is not None else None
+    svc = SchedulerService(settings, store, ssl_context=client_ctx)
+    reloader = tls.Reloader(settings, server_ctx, client_ctx) if server_ctx is not None else None
     try:
         async def on_started() -> None:
             svc.start()
-            print(f"agentenv scheduler is serving at http://{settings.host}:{settings.port}", flush=True)
+            if reloader is not None:
+                reloader.start()
+            scheme = "https" if server_ctx is not None else "http"
+            print(f"agentenv scheduler is serving at {scheme}://{settings.host}:{settings.port}", flush=True)
 
-        await run_app(svc.app(), settings.host, settings.port, on_started=on_started)
+        await run_app(svc.app(), settings.host, settings.port, on_started=on_started, ssl_context=server_ctx)
     finally:
+        if reloader is not None:
+            await reloader.stop()
         await svc.stop()
         await store.close()

@@ -33,9 +33,13 @@ class PauseResume:
         self.publish = publish
         self._lose = lose
 
-    async def pause(self, sandbox_id: str, team_id: str | None, memory: bool) -> None:
-        """Checkpoint memory (unless filesystem-only) and release CPU, memory and the network slot."""
+    async def pause(self, sandbox_id: str, team_id: str | None, memory: bool, *, publish: bool | None = None) -> None:
+        """Checkpoint memory (unless filesystem-only) and release CPU, memory and the network slot.
+
+        `publish=False` on a cluster node keeps the pause on this node's disk only (a fenced node
+        cannot reach the snapshot store in time); `publish_local` uploads it later."""
         host = self.host
+        publish = self.publish if publish is None else publish
         async with self.lifecycle.lock(sandbox_id):
             rec = self.lifecycle.live(sandbox_id, team_id)
             before, final = self.lifecycle.begin(rec, "pause")
@@ -53,7 +57,7 @@ class PauseResume:
             except Exception as e:  # noqa: BLE001
                 raise await self._lose(rec, e) from e
             await host.release_slot(sandbox_id)
-            if self.publish:
+            if publish:
                 try:
                     await self._publish_paused(rec, memory)
                 except Exception as e:  # noqa: BLE001
@@ -72,6 +76,32 @@ class PauseResume:
         if sealed.memory is not None:
             rec.memory_digest = sealed.memory
         await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
+
+    async def publish_local(self, sandbox_id: str, on_sealed=None) -> SandboxRecord | None:
+        """Seal and upload a pause taken with `publish=False`, so any node can resume it; the record
+        (not persisted: the caller decides when) or None if it is not paused here. Retryable, also
+        after a restart: an upper already sealed is gone, a memory image sealed is not sealed again.
+        `on_sealed(rec)` runs after each sealing step (the caller records the new digests: the upper
+        and the checkpoint now live on only as those artifacts)."""
+        async with self.lifecycle.lock(sandbox_id):
+            rec = self.lifecycle.get(sandbox_id)
+            if rec is None or rec.state != SandboxState.PAUSED:
+                return None
+
+            async def layer_sealed(layer: str | None) -> None:
+                if layer:
+                    rec.layers = [layer] + rec.layers
+                if on_sealed is not None:
+                    on_sealed(rec)
+
+            if self.host.rootfs.upper_path(sandbox_id).exists():
+                await self.host.seal(sandbox_id, None, on_layer=layer_sealed)
+            if rec.pause_mode != "filesystem" and not rec.memory_digest:
+                rec.memory_digest = await self.artifacts.seal_memory(self.host.checkpoint_dir(sandbox_id))
+                if on_sealed is not None:
+                    on_sealed(rec)
+            await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
+            return rec
 
     async def _unpause_after_failed_publish(self, rec: SandboxRecord, why: Exception) -> None:
         """Publishing a pause failed (snapshot store down): bring the sandbox back from its local

@@ -59,6 +59,12 @@ async def reconcile(orch: "Orchestrator") -> None:
             lifecycle.adopt(rec)
             keep.add(rec.sandbox_id)
             log.info("paused sandbox %s is resumable", rec.sandbox_id)
+        elif rec.state in (SandboxState.LOST, SandboxState.RUNNING) and orch.recover_fenced is not None \
+                and orch.recover_fenced(rec):
+            # a cluster node paused it onto its disk while fenced (cluster/fence.py): it rejoins with it
+            lifecycle.adopt(rec, SandboxState.PAUSED)
+            keep.add(rec.sandbox_id)
+            log.info("sandbox %s, paused here while this node was fenced, is kept for its rejoin", rec.sandbox_id)
         else:
             log.warning("dropping sandbox %s (state %s) that did not survive the restart", rec.sandbox_id,
                         rec.state.value)

@@ -86,6 +86,9 @@ class Orchestrator:
         self.resolver = TrafficResolver(self.lifecycle.get, self.lifecycle.records, self.host.slots,
                                         self.resume_on_traffic)
         self._reaper: asyncio.Task | None = None
+        # Cluster nodes: whether a LOST (or RUNNING but stopped) record is kept on restart, as paused:
+        # a fenced node's pause on its disk; the hook sets its pause_mode. None: they are dropped.
+        self.recover_fenced: Any = None
         self._handlers: dict[type, Any] = {
             ops.CreateSandbox: self.starts.create, ops.KillSandbox: self._kill, ops.PauseSandbox: self._pause,
             ops.ConnectSandbox: self._connect, ops.WakeSandbox: self._wake, ops.ForkSandbox: self._fork,
@@ -218,11 +221,16 @@ class Orchestrator:
             layers.update(rec.layers)
             if rec.memory_digest:
                 memory.add(rec.memory_digest)
+        needed_here = (set(layers), set(memory))  # what the size budget never evicts
         for snap in await self.store.list_snapshots():
             layers.update(snap.layers)
             if snap.memory_digest:
                 memory.add(snap.memory_digest)
-        return await self.host.artifacts.gc(layers, memory)
+        removed = await self.host.artifacts.gc(layers, memory)
+        if self.settings.artifact_cache_max_mb:
+            evicted = await self.host.artifacts.enforce_budget(self.settings.artifact_cache_max_mb << 20, *needed_here)
+            removed["evicted"] = len(evicted)
+        return removed
 
     # ------------------------------------------------------------------ queries (observers: no state change)
 

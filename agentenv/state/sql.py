@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import Interval, Table, and_, bindparam, delete, func, or_, select, update
+from sqlalchemy import Interval, Table, and_, bindparam, delete, event, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import ColumnElement, Executable
@@ -44,6 +44,7 @@ class SQLStateStore:
     def __init__(self, make_engine) -> None:
         self._make_engine = make_engine
         self._engine: AsyncEngine | None = None
+        self._drivers: dict[int, Any] = {}  # the driver connections the pool holds (for `terminate`)
 
     # lifecycle ----------------------------------------------------------------------------------
 
@@ -51,6 +52,9 @@ class SQLStateStore:
         if self._engine is not None:
             return
         engine = self._make_engine()
+        event.listen(engine.sync_engine, "connect", self._track)
+        event.listen(engine.sync_engine, "close", self._untrack)
+        event.listen(engine.sync_engine, "close_detached", self._untrack)
         try:
             await migrate.upgrade(engine)
         except BaseException:
@@ -62,6 +66,24 @@ class SQLStateStore:
         if self._engine is not None:
             engine, self._engine = self._engine, None
             await engine.dispose()
+
+    def _track(self, dbapi_connection: Any, *_: Any) -> None:
+        driver = getattr(dbapi_connection, "driver_connection", None)
+        if driver is not None:
+            self._drivers[id(dbapi_connection)] = driver
+
+    def _untrack(self, dbapi_connection: Any, *_: Any) -> None:
+        self._drivers.pop(id(dbapi_connection), None)
+
+    def terminate(self) -> None:
+        """Cut every database connection now, without a round trip (a fenced cluster node: a write
+        still queued on a connection the network cut must not land after the node rejoined). The
+        store is unusable afterwards; `close()` it. Only drivers with a `terminate()` (asyncpg)."""
+        for driver in list(self._drivers.values()):
+            cut = getattr(driver, "terminate", None)
+            if callable(cut):
+                cut()
+        self._drivers.clear()
 
     async def __aenter__(self):
         await self.open()

@@ -11,7 +11,13 @@ Artifacts are content-addressed by the sha256 of their tar stream:
   `requires.json` (`{"drives": {"<role>": {"path": ..., "digest": ...}}}`; the runtime writes the
   paths, sealing adds the digests). Drives are kept at their original path on the node that built
   them and extracted at `<data>/drives/<digest>/drive.ext4` on nodes that pull them; a node builds
-  its own drives byte-differently, hence the transfer. Not garbage-collected (one per guest build).
+  its own drives byte-differently, hence the transfer. Drives built here are not collected (one
+  per guest build); pulled ones are, like layers and memory images, by the size budget below.
+
+The size budget (`enforce_budget`, `Settings.artifact_cache_max_mb`): when the cached artifacts of
+a node (tar + extracted copy; pulled drives) exceed it, those the snapshot store also holds and no
+sandbox, warm image or restore of this node needs are removed, least recently used first; the
+next use pulls them again. Use is stamped at every `ensure_*` and seal (`<data>/cache/.used/`).
 
 `publish` uploads a snapshot's blobs to the configured SnapshotStore and writes its manifest last;
 `ensure_*` pulls what a node lacks from the store on demand, so a node with an empty data dir can
@@ -62,6 +68,85 @@ class ArtifactCache:
         self.store = store
         self.local = LocalSnapshotStore(self.root / "cache")  # tars, by kind/digest
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    # ---------------------------------------------------------------- use stamps and the size budget
+
+    def _stamp(self, kind: str, digest: str) -> Path:
+        return self.root / "cache" / ".used" / f"{kind}-{digest}"
+
+    def touch(self, kind: str, digest: str) -> None:
+        """Record a use of an artifact (its place in the LRU order)."""
+        p = self._stamp(kind, digest)
+        try:
+            p.touch()
+        except FileNotFoundError:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.touch()
+
+    def _last_used(self, kind: str, digest: str) -> float:
+        try:
+            return self._stamp(kind, digest).stat().st_mtime
+        except OSError:
+            return 0.0  # never stamped (cached before stamps existed): oldest
+
+    def _extracted(self, kind: str, digest: str) -> Path:
+        return drive_path(self.root, digest).parent if kind == "drives" else self.root / kind / digest
+
+    def _size(self, kind: str, digest: str) -> int:
+        total = 0
+        blob = self.local.blob_path(kind, digest)
+        if blob.exists():
+            total += blob.stat().st_blocks * 512
+        for dirpath, _dirs, files in os.walk(self._extracted(kind, digest)):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+                except OSError:
+                    pass
+        return total
+
+    def cached(self) -> list[tuple[str, str]]:
+        """Every (kind, digest) this node caches: layers, memory images, pulled drives."""
+        out: set[tuple[str, str]] = set()
+        for kind in ("layers", "memory", "drives"):
+            base = self.root / kind
+            if base.exists():
+                out |= {(kind, p.name) for p in base.iterdir() if not p.name.startswith(".")}
+            blobs = self.local.root / kind
+            if blobs.exists():
+                out |= {(kind, p.name) for p in blobs.iterdir() if not p.name.startswith(".")}
+        return sorted(out)
+
+    async def enforce_budget(self, max_bytes: int, layers_needed: set[str], memory_needed: set[str]) -> list[str]:
+        """Evict, least recently used first, cached artifacts the snapshot store holds and nothing
+        here needs, until the cache fits `max_bytes`. Returns the evicted `kind/digest`s."""
+        entries = self.cached()
+        sizes = dict(zip(entries, await asyncio.gather(*(asyncio.to_thread(self._size, k, d) for k, d in entries))))
+        total = sum(sizes.values())
+        if total <= max_bytes:
+            return []
+        drives_needed = {e.get("digest") for m in memory_needed
+                         for e in self.required_drives(self.memory_dir(m)).values()}
+        needed = {"layers": layers_needed, "memory": memory_needed, "drives": drives_needed}
+        evicted: list[str] = []
+        for kind, digest in sorted(entries, key=lambda e: self._last_used(*e)):
+            if total <= max_bytes:
+                break
+            if digest in needed[kind] or not await self.store.has_blob(kind, digest):
+                continue
+            async with self._locks[digest]:
+                shutil.rmtree(self._extracted(kind, digest), ignore_errors=True)
+                await self.local.delete_blob(kind, digest)
+                self._stamp(kind, digest).unlink(missing_ok=True)
+            total -= sizes[(kind, digest)]
+            evicted.append(f"{kind}/{digest}")
+        if evicted:
+            log.info("artifact cache over budget: evicted %d least recently used artifact(s) (%s); %d MiB left",
+                     len(evicted), ", ".join(e[:19] for e in evicted[:8]), total >> 20)
+        if total > max_bytes:
+            log.warning("artifact cache holds %d MiB, over its budget of %d MiB: the rest is in use here or only "
+                        "here", total >> 20, max_bytes >> 20)
+        return evicted
 
     def layer_dir(self, digest: str) -> Path:
         return self.root / "layers" / digest
@@ -116,6 +201,7 @@ class ArtifactCache:
             os.link(path, tmp_dir / DRIVE_FILE)  # same file system (both under the data dir): no copy
             t0 = asyncio.get_running_loop().time()
             digest, size = await layer_tar.pack(tmp_dir, Path(tmp), sparse=True)
+            self.touch("drives", digest)
             async with self._locks[digest]:
                 await self.local.put_blob("drives", digest, Path(tmp))
             log.info("sealed VM drive %s as %s (%d MiB tar) in %.1fs", path.name, digest[:12], size >> 20,
@@ -145,6 +231,7 @@ class ArtifactCache:
         os.close(fd)
         try:
             digest, _size = await layer_tar.pack(src, Path(tmp), sparse=sparse)
+            self.touch(kind, digest)
             async with self._locks[digest]:
                 await self.local.put_blob(kind, digest, Path(tmp))
                 dst = dir_of(digest)
@@ -167,6 +254,7 @@ class ArtifactCache:
     # ---------------------------------------------------------------- fetching
 
     async def _ensure(self, kind: str, digest: str, dst: Path) -> Path:
+        self.touch(kind, digest)
         if dst.exists():
             return dst
         async with self._locks[digest]:
@@ -250,6 +338,7 @@ class ArtifactCache:
                 async with self._locks[d]:
                     shutil.rmtree(dir_of(d), ignore_errors=True)
                     await self.local.delete_blob(kind, d)
+                    self._stamp(kind, d).unlink(missing_ok=True)
                     removed[kind] += 1
         return removed
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from agentenv.cluster import tls
 from leftovers import mounts_under, processes_mentioning, runsc_containers
 from pgserver import pg_bindir, start_postgres
 from s3server import start_s3
@@ -50,6 +50,8 @@ HEARTBEAT_S = 1.0
 # a node's event loop can miss heartbeats for several seconds under the load test (a 5 s limit once
 # declared a healthy node dead mid-run). The kill -9 test waits for this long.
 DEAD_AFTER_S = 15.0
+# nft table of Node.partition (in the node's namespace)
+PARTITION_TABLE = "aetestpartition"
 
 
 def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -66,12 +68,13 @@ class Node:
     data_dir: Path
     env: dict[str, str]
     log_path: Path
+    pki: "Pki"
     proc: subprocess.Popen | None = None
     killed: bool = False
 
     @property
     def url(self) -> str:
-        return f"http://{self.address}:{NODE_PORT}"
+        return f"https://{self.address}:{NODE_PORT}"
 
     def start(self) -> None:
         full = dict(os.environ)
@@ -100,6 +103,32 @@ class Node:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(30)
+
+    @property
+    def lan_if(self) -> str:
+        return f"ae{TAG}{self.name}1"
+
+    def partition(self) -> None:
+        """Cut the node off the LAN (PostgreSQL, S3, scheduler, gateway, the other nodes): packets
+        dropped both ways in its namespace, as a failed switch port would, not refused."""
+        rules = (f"table inet {PARTITION_TABLE} {{\n"
+                 f" chain i {{ type filter hook input priority -300; iifname \"{self.lan_if}\" drop; }}\n"
+                 f" chain o {{ type filter hook output priority -300; oifname \"{self.lan_if}\" drop; }}\n}}\n")
+        subprocess.run(["ip", "netns", "exec", self.netns, "nft", "-f", "-"], input=rules, text=True, check=True,
+                       capture_output=True, timeout=30)
+
+    def heal(self) -> None:
+        sh("ip", "netns", "exec", self.netns, "nft", "delete", "table", "inet", PARTITION_TABLE, check=False)
+
+    def sandbox_status(self, sandbox_id: str, port: int = 49983, path: str = "/health") -> int:
+        """HTTP status of a request to `sandbox_id` through this node's own listener, from inside its
+        namespace (works while it is partitioned); 0 when nothing answers within 3 s."""
+        r = subprocess.run(["ip", "netns", "exec", self.netns, "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                            "--max-time", "3", "--cacert", str(self.pki.ca), "--cert", str(self.pki.admin[0]),
+                            "--key", str(self.pki.admin[1]), "-H", f"E2b-Sandbox-Id: {sandbox_id}",
+                            "-H", f"E2b-Sandbox-Port: {port}",
+                            f"{self.url}{path}"], capture_output=True, text=True, timeout=30)
+        return int(r.stdout.strip() or 0)
 
     def gc(self) -> subprocess.CompletedProcess:
         env = dict(os.environ)
@@ -138,12 +167,40 @@ class Proc:
 
 
 @dataclass
+class Pki:
+    """The cluster CA and certificates of the test cluster (internal traffic over mutual TLS)."""
+
+    dir: Path
+
+    def __post_init__(self) -> None:
+        tls.create_ca(self.dir / "ca")
+        self.admin = self.issue("admin", "admin")  # the tests' own calls to internal routes
+
+    @property
+    def ca(self) -> Path:
+        return self.dir / "ca" / "ca.crt"
+
+    def issue(self, role: str, name: str, hosts: tuple[str, ...] = (), out: Path | None = None) -> tuple[Path, Path]:
+        """A certificate (into the roles' directory unless `out`: the roles reload theirs when it changes)."""
+        return tls.issue_cert(self.dir / "ca", role, name, out or self.dir, hosts=list(hosts), days=1)
+
+    def env(self, role: str, name: str, hosts: tuple[str, ...] = ()) -> dict[str, str]:
+        crt, key = self.issue(role, name, hosts)
+        return {"AGENTENV_CLUSTER_CA_FILE": str(self.ca), "AGENTENV_CLUSTER_CERT_FILE": str(crt),
+                "AGENTENV_CLUSTER_KEY_FILE": str(key)}
+
+    def request(self, method: str, url: str, **kw) -> requests.Response:
+        """An internal call with the admin certificate."""
+        return requests.request(method, url, cert=tuple(map(str, self.admin)), verify=str(self.ca), **kw)
+
+
+@dataclass
 class Cluster:
     gateway: Proc
     scheduler: Proc
     nodes: dict[str, Node]
     api_key: str
-    token: str
+    pki: Pki
     database_url: str
     s3: object
     work: Path
@@ -153,14 +210,13 @@ class Cluster:
         return dict(api_key=self.api_key, api_url=self.gateway.url, sandbox_url=self.gateway.url, **kw)
 
     def node_status(self) -> dict[str, dict]:
-        r = requests.get(f"{self.scheduler.url}/internal/nodes", headers={"X-Agentenv-Cluster-Token": self.token},
-                         timeout=10)
+        r = self.pki.request("GET", f"{self.scheduler.url}/internal/nodes", timeout=10)
         r.raise_for_status()
         return {n["node_id"]: n for n in r.json()}
 
     def drain(self, node: str, draining: bool = True) -> None:
-        r = requests.post(f"{self.nodes[node].url}/internal/drain", json={"draining": draining},
-                          headers={"X-Agentenv-Cluster-Token": self.token}, timeout=10)
+        r = self.pki.request("POST", f"{self.nodes[node].url}/internal/drain", json={"draining": draining},
+                             timeout=10)
         r.raise_for_status()
 
     def wait_nodes(self, names: list[str], timeout: float = 240) -> None:
@@ -173,13 +229,19 @@ class Cluster:
             try:
                 st = self.node_status()
                 if all(st.get(n, {}).get("state") == "active" for n in names) and all(
-                        requests.get(f"{self.nodes[n].url}/health", timeout=3).ok for n in names):
+                        self.pki.request("GET", f"{self.nodes[n].url}/health", timeout=3).ok for n in names):
                     return
             except requests.RequestException:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("nodes not up: " + "\n".join(f"--- {n}\n{self.nodes[n].log_tail()}" for n in names))
             time.sleep(0.5)
+
+    def start_gateway(self) -> Proc:
+        """Another gateway replica (stateless: same store, scheduler and key); the caller stops it."""
+        port = free_port()
+        env = {**self.extra["gateway_env"], "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(port)}
+        return _start_role("gateway", env, f"http://127.0.0.1:{port}", self.work / f"gateway-{port}.log", self.work)
 
     def restart_node(self, name: str) -> None:
         node = self.nodes[name]
@@ -210,7 +272,8 @@ def _netns_teardown(nodes: list[tuple[str, str, str]]) -> None:
     sh("ip", "link", "del", BRIDGE, check=False)
 
 
-def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: Path) -> Proc:
+def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: Path,
+                verify: str | bool = True) -> Proc:
     full = dict(os.environ)
     full.update(env)
     proc = subprocess.Popen([agentenv_executable(), role], env=full, stdin=subprocess.DEVNULL,
@@ -220,7 +283,7 @@ def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: 
         if proc.poll() is not None:
             raise RuntimeError(f"{role} exited ({proc.returncode}):\n{log_tail(log_path)}")
         with contextlib.suppress(requests.RequestException):
-            if requests.get(f"{url}/health", timeout=2).ok:
+            if requests.get(f"{url}/health", timeout=2, verify=verify).ok:
                 return Proc(role, url, proc, log_path)
         if time.monotonic() > deadline:
             proc.kill()
@@ -255,21 +318,23 @@ def cluster() -> Cluster:
         stack.callback(pg.stop)
         s3 = start_s3(work / "s3", host=f"{LAN}.1")
         stack.callback(s3.stop)
-        token = secrets.token_hex(16)
+        pki = Pki(work / "pki")  # no shared token: the roles know each other by their certificates
         api_key = new_api_key()
-        common = {"AGENTENV_DATABASE_URL": pg.url(f"{LAN}.1"), "AGENTENV_CLUSTER_TOKEN": token,
+        common = {"AGENTENV_DATABASE_URL": pg.url(f"{LAN}.1"), "AGENTENV_CLUSTER_CA_FILE": str(pki.ca),
                   "AGENTENV_SNAPSHOT_STORE": "s3", "AGENTENV_S3_BUCKET": "cluster", "AGENTENV_S3_ENDPOINT": s3.endpoint,
                   "AGENTENV_S3_ACCESS_KEY": s3.access_key, "AGENTENV_S3_SECRET_KEY": s3.secret_key,
                   "AGENTENV_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "AGENTENV_NODE_DEAD_AFTER_S": str(DEAD_AFTER_S),
                   "AGENTENV_LOG_LEVEL": "INFO", "AGENTENV_MAX_STARTING_PER_NODE": "2",
                   "AGENTENV_ADMISSION_WAIT_S": "30"}
         sched_port, gw_port = free_port(), free_port()
-        scheduler = _start_role("scheduler", {**common, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(sched_port)},
-                                f"http://127.0.0.1:{sched_port}", work / "scheduler.log", work)
+        # on the LAN: nodes cut off from PostgreSQL relay their heartbeats through it (fencing)
+        scheduler = _start_role("scheduler", {**common, **pki.env("scheduler", "scheduler", (f"{LAN}.1",)),
+                                              "AGENTENV_HOST": f"{LAN}.1", "AGENTENV_PORT": str(sched_port)},
+                                f"https://{LAN}.1:{sched_port}", work / "scheduler.log", work, verify=str(pki.ca))
         stack.callback(scheduler.stop)
-        gateway = _start_role("gateway", {**common, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(gw_port),
-                                          "AGENTENV_SCHEDULER_URL": scheduler.url,
-                                          "AGENTENV_BOOTSTRAP_API_KEY": api_key},
+        gateway_env = {**common, **pki.env("gateway", "gateway"), "AGENTENV_SCHEDULER_URL": scheduler.url,
+                       "AGENTENV_BOOTSTRAP_API_KEY": api_key}
+        gateway = _start_role("gateway", {**gateway_env, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(gw_port)},
                               f"http://127.0.0.1:{gw_port}", work / "gateway.log", work)
         stack.callback(gateway.stop)
         nodes: dict[str, Node] = {}
@@ -277,14 +342,18 @@ def cluster() -> Cluster:
             d = work.parent / f"{work.name}-node-{name}"
             d.mkdir()
             subprocess.run(["cp", "-al", str(work / "images"), str(d / "images")], check=True, timeout=300)
-            env = {**common, "AGENTENV_NODE_ID": name, "AGENTENV_NODE_URL": f"http://{address}:{NODE_PORT}",
-                   "AGENTENV_HOST": address, "AGENTENV_PORT": str(NODE_PORT), "AGENTENV_DATA_DIR": str(d),
+            env = {**common, "AGENTENV_NODE_ID": name, "AGENTENV_SCHEDULER_URL": scheduler.url,
+                   "AGENTENV_NODE_URL": f"https://{address}:{NODE_PORT}", "AGENTENV_HOST": address,
+                   "AGENTENV_PORT": str(NODE_PORT), "AGENTENV_DATA_DIR": str(d),
                    "AGENTENV_INSTANCE": f"{TAG}{name}", "AGENTENV_SLOT_SUBNET": subnet,
                    "AGENTENV_MAX_SANDBOXES": str(MAX_SANDBOXES), "AGENTENV_ALLOW_INTERNET_ACCESS": "false"}
-            nodes[name] = Node(name, netns, address, f"{TAG}{name}", subnet, d, env, d / "node.log")
+            env.update(pki.env("node", name, (address,)))
+            nodes[name] = Node(name, netns, address, f"{TAG}{name}", subnet, d, env, d / "node.log", pki)
 
         def stop_nodes() -> None:
             problems = []
+            for n in nodes.values():
+                n.heal()  # a partition test that failed half-way
             for n in nodes.values():
                 n.stop()
             for n in nodes.values():
@@ -302,7 +371,7 @@ def cluster() -> Cluster:
         stack.callback(stop_nodes)
         for n in nodes.values():
             n.start()
-        c = Cluster(gateway, scheduler, nodes, api_key, token, pg.url(), s3, work)
+        c = Cluster(gateway, scheduler, nodes, api_key, pki, pg.url(), s3, work, extra={"gateway_env": gateway_env})
         c.wait_nodes(list(nodes))
     except BaseException:
         stack.close()

@@ -7,8 +7,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 
-def scrape(url: str) -> dict[str, list]:
-    r = requests.get(f"{url}/metrics", timeout=30)
+def scrape(cluster, url: str) -> dict[str, list]:
+    # nodes and the scheduler answer over mutual TLS (Prometheus scrapes them with a certificate)
+    r = cluster.pki.request("GET", f"{url}/metrics", timeout=30) if url.startswith("https:") else \
+        requests.get(f"{url}/metrics", timeout=30)
     assert r.status_code == 200, r.text
     out: dict[str, list] = {}
     for fam in text_string_to_metric_families(r.text):
@@ -24,7 +26,7 @@ def value(samples: dict, name: str, **labels) -> float:
 def test_every_role_serves_metrics(cluster):
     n_nodes = len(cluster.nodes)
     for role, proc in (("gateway", cluster.gateway), ("scheduler", cluster.scheduler)):
-        s = scrape(proc.url)
+        s = scrape(cluster, proc.url)
         assert value(s, "agentenv_role_info", role=role) == 1
         assert value(s, "agentenv_cluster_nodes", state="active") >= 1
         assert value(s, "agentenv_cluster_nodes") >= n_nodes - 1  # a test may have killed one
@@ -34,6 +36,6 @@ def test_every_role_serves_metrics(cluster):
     for name, node in cluster.nodes.items():
         if getattr(node, "killed", False):
             continue
-        s = scrape(node.url)
+        s = scrape(cluster, node.url)
         assert value(s, "agentenv_node_sandbox_capacity") > 0, name
         assert "agentenv_sandbox_operation_duration_seconds_count" in s

@@ -88,8 +88,14 @@ def test_compose_file_matches_the_compose_spec():
 def test_compose_cluster_roles_and_settings():
     doc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = doc["services"]
-    roles = {name: svc["command"][0] for name, svc in services.items() if svc.get("image", "").startswith("agentenv")}
+    roles = {name: svc["command"][0] for name, svc in services.items()
+             if svc.get("image", "").startswith("agentenv") and "entrypoint" not in svc}
     assert sorted(roles.values()) == ["gateway", "node", "node", "scheduler"], roles
+    # the one-shot pki job: the cluster CA and a certificate for each role, with the real CLI
+    pki = services["pki"]["command"][0]
+    assert "agentenv cluster ca init" in pki and pki.count("cert --role") == 4, pki
+    res = run(str(BIN / "agentenv"), "cluster", "cert", "--help")
+    assert res.returncode == 0 and all(o in res.stdout for o in ("--ca-dir", "--role", "--host", "--days")), res.stdout
     for name, svc in services.items():
         if name in roles:
             check_role(svc["command"], f"compose service {name}")
@@ -212,3 +218,27 @@ def test_install_rejects_bad_input(tmp_path):
     res = run("bash", str(DEPLOY / "install.sh"), "--prefix", str(tmp_path), "--skip-setup", "--role", "bogus")
     assert res.returncode != 0 and "unknown role 'bogus'" in res.stderr
     assert not (tmp_path / "etc").exists()
+
+
+# ---------------------------------------------------------------- Prometheus
+
+
+@pytest.mark.parametrize("name", ["static.yml", "kubernetes.yml"])
+def test_prometheus_examples_scrape_every_role(name):
+    """One job per role; schedulers and nodes over mutual TLS with a certificate whose role may read
+    /metrics; the Kubernetes jobs keep the pods of the deploy/k8s workloads."""
+    from agentenv.cluster import tls
+
+    doc = yaml.safe_load((DEPLOY / "prometheus" / name).read_text())
+    jobs = {j["job_name"]: j for j in doc["scrape_configs"]}
+    assert set(jobs) == {"agentenv-gateway", "agentenv-scheduler", "agentenv-node"}
+    assert "admin" in tls.allowed_roles("/metrics")
+    for role in ("scheduler", "node"):
+        job = jobs[f"agentenv-{role}"]
+        assert job["scheme"] == "https" and {"ca_file", "cert_file", "key_file"} <= set(job["tls_config"]), job
+    if name == "kubernetes.yml":
+        names = {d["metadata"]["name"] for d in kustomize(DEPLOY / "k8s" / "base")}
+        for job_name, job in jobs.items():
+            keep = [r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"
+                    and r["source_labels"] == ["__meta_kubernetes_pod_label_app_kubernetes_io_name"]]
+            assert keep == [job_name] and job_name in names, job

@@ -300,3 +300,38 @@ async def test_scheduler_spares_a_late_node_that_still_answers(store):
     finally:
         await svc.stop()
         await runner.cleanup()
+
+
+
+async def test_terminate_cuts_the_database_connections(backend, database, make_store):
+    """A fenced cluster node cuts its store's connections at once (agentenv/cluster/node.py): the
+    PostgreSQL server sees the store's sessions end, and the data stays for a new store."""
+    if backend != "postgres":
+        pytest.skip("terminate() cuts asyncpg connections (the cluster store); SQLite has none to cut")
+    import asyncpg
+
+    async def sessions(watch) -> int:
+        return await watch.fetchval("SELECT count(*) FROM pg_stat_activity "
+                                    "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+
+    store = make_store()
+    await store.open()
+    watch = await asyncpg.connect(database)
+    try:
+        await asyncio.gather(*(store.put_sandbox(sandbox(i)) for i in range(4)))
+        assert await sessions(watch) >= 1
+        store.terminate()
+        for _ in range(50):
+            if await sessions(watch) == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await sessions(watch) == 0, "the store's sessions outlived terminate()"
+    finally:
+        await watch.close()
+        await store.close()
+    again = make_store()
+    await again.open()
+    try:
+        assert len(await again.list_sandboxes()) == 4
+    finally:
+        await again.close()

@@ -1,0 +1,264 @@
+"""Mutual TLS between the cluster roles: a cluster CA, certificates per role and node, the TLS
+contexts, and who may call what.
+
+`agentenv cluster ca init` makes a CA (or bring your own: any CA whose certificates carry the
+role in the subject's OU); `agentenv cluster cert` issues a certificate for a role — `node`
+(its CN is the node id), `gateway`, `scheduler` or `admin` (the operator's CLI) — usable as server
+and as client certificate. With `cluster_ca_file`, `cluster_cert_file` and `cluster_key_file` set:
+
+- nodes and schedulers listen on HTTPS and verify the client certificate of every request against
+  the cluster CA: without one, every route but `/health` answers 401; a certificate of another CA
+  fails the handshake. Each internal route names the roles it accepts (`ALLOWED`); a node's relayed
+  heartbeat must come from that node's own certificate;
+- gateways, schedulers and nodes call each other with their certificate and verify the peer's
+  (its URL's host must be in the certificate's subject alternative names);
+- certificates are short-lived (`DEFAULT_DAYS`) and re-read when their files change (`Reloader`),
+  so renewing them (`agentenv cluster cert` again, e.g. from a timer) needs no restart;
+- the shared cluster token is not needed (and not accepted in place of a certificate).
+
+Uses `cryptography` (already needed by our TLS stack) to make keys and certificates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import logging
+import os
+import ssl
+from pathlib import Path
+
+from aiohttp import web
+
+log = logging.getLogger("agentenv.cluster.tls")
+
+ROLES = ("node", "gateway", "scheduler", "admin")
+DEFAULT_DAYS = 7
+CA_DAYS = 3650
+
+# Internal route (prefix) -> roles whose certificates may call it.
+ALLOWED: dict[str, set[str]] = {
+    "/internal/rpc/": {"gateway"},
+    "/internal/events": {"gateway"},
+    "/internal/drain": {"gateway", "admin", "node"},  # node: `agentenv drain` on the node, its own cert
+    "/internal/status": {"scheduler", "gateway", "admin"},
+    "/internal/place": {"gateway"},
+    "/internal/release": {"gateway"},
+    "/internal/nodes": {"gateway", "admin"},
+    "/internal/heartbeat": {"node"},
+}
+# Everything else on a TLS listener (a node's public API and sandbox traffic: the gateway's hop;
+# /metrics: Prometheus with an admin certificate).
+OTHER_ROLES = {"gateway", "admin", "scheduler"}
+
+
+# ---------------------------------------------------------------------- making certificates
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _key():
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def create_ca(directory: Path, *, name: str = "agentenv cluster CA", days: int = CA_DAYS) -> Path:
+    """ca.crt + ca.key (0600) in `directory`; refuses to overwrite an existing CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    directory = Path(directory)
+    if (directory / "ca.key").exists():
+        raise FileExistsError(f"{directory / 'ca.key'} exists: a cluster CA is there already")
+    key = _key()
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .sign(key, hashes.SHA256()))
+    _write_private(directory / "ca.key", _pem_key(key))
+    (directory / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return directory / "ca.crt"
+
+
+def issue_cert(ca_dir: Path, role: str, name: str, out_dir: Path, *, hosts: list[str] = (),
+               days: int = DEFAULT_DAYS, stem: str | None = None) -> tuple[Path, Path]:
+    """A certificate + key for `role` (CN `name`, OU `role`), valid for `hosts` (IPs or DNS names),
+    signed by the CA in `ca_dir`. Written (atomically, key 0600) as <out_dir>/<stem or name>.crt/.key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}")
+    ca_dir, out_dir = Path(ca_dir), Path(out_dir)
+    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.crt").read_bytes())
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    key = _key()
+    now = dt.datetime.now(dt.timezone.utc)
+    builder = (x509.CertificateBuilder()
+               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
+                                        x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
+               .issuer_name(ca_cert.subject).public_key(key.public_key())
+               .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+               .not_valid_after(now + dt.timedelta(days=days))
+               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                                     ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    crt_path, key_path = out_dir / f"{stem or name}.crt", out_dir / f"{stem or name}.key"
+    # key first, then the certificate: a reloader that sees the new certificate finds its key
+    _write_private(key_path.with_suffix(".key.tmp"), _pem_key(key))
+    os.replace(key_path.with_suffix(".key.tmp"), key_path)
+    tmp = crt_path.with_suffix(".crt.tmp")
+    tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    os.replace(tmp, crt_path)
+    return crt_path, key_path
+
+
+# ---------------------------------------------------------------------- contexts
+
+def enabled(settings) -> bool:
+    return bool(settings.cluster_ca_file and settings.cluster_cert_file and settings.cluster_key_file)
+
+
+def check(settings) -> None:
+    """All three files or none; they must be readable."""
+    given = [settings.cluster_ca_file, settings.cluster_cert_file, settings.cluster_key_file]
+    if any(given) and not all(given):
+        raise ValueError("cluster TLS needs all of cluster_ca_file, cluster_cert_file and cluster_key_file")
+    for p in filter(None, given):
+        if not Path(p).is_file():
+            raise ValueError(f"cluster TLS: {p} is not a readable file")
+
+
+def server_context(settings) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(settings.cluster_cert_file, settings.cluster_key_file)
+    ctx.load_verify_locations(settings.cluster_ca_file)
+    # OPTIONAL: a certificate that is presented must verify (else the handshake fails); requests
+    # without one reach the middleware, which refuses all but /health (probes of a supervisor).
+    ctx.verify_mode = ssl.CERT_OPTIONAL
+    return ctx
+
+
+def client_context(settings) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=settings.cluster_ca_file)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(settings.cluster_cert_file, settings.cluster_key_file)
+    return ctx
+
+
+class Reloader:
+    """Re-reads the certificate and key into the contexts when their files change."""
+
+    def __init__(self, settings, *contexts: ssl.SSLContext, interval_s: float = 30.0) -> None:
+        self.settings = settings
+        self.contexts = contexts
+        self.interval_s = interval_s
+        self._stamp = self._mtime()
+        self._task: asyncio.Task | None = None
+
+    def _mtime(self) -> tuple[float, float]:
+        try:
+            return (os.stat(self.settings.cluster_cert_file).st_mtime, os.stat(self.settings.cluster_key_file).st_mtime)
+        except OSError:
+            return (0.0, 0.0)
+
+    def check(self) -> bool:
+        stamp = self._mtime()
+        if stamp == self._stamp:
+            return False
+        try:
+            for ctx in self.contexts:
+                ctx.load_cert_chain(self.settings.cluster_cert_file, self.settings.cluster_key_file)
+        except (OSError, ssl.SSLError) as e:  # half-written: try again next round
+            log.warning("cluster certificate reload failed: %s", e)
+            return False
+        self._stamp = stamp
+        log.info("cluster certificate reloaded from %s", self.settings.cluster_cert_file)
+        return True
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.check()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="cert-reload")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+# ---------------------------------------------------------------------- who is calling
+
+def peer(request: web.Request) -> tuple[str, str] | None:
+    """(role, name) of the verified client certificate of `request`, or None."""
+    transport = request.transport
+    cert = transport.get_extra_info("peercert") if transport is not None else None
+    if not cert:
+        return None
+    fields = {k: v for rdn in cert.get("subject", ()) for k, v in rdn}
+    role, name = fields.get("organizationalUnitName"), fields.get("commonName")
+    if role not in ROLES or not name:
+        return None
+    return role, name
+
+
+def allowed_roles(path: str) -> set[str]:
+    for prefix, roles in ALLOWED.items():
+        if path.startswith(prefix):
+            return roles
+    return OTHER_ROLES
+
+
+def require_peer():
+    """Middleware for the HTTPS listeners of nodes and schedulers."""
+
+    @web.middleware
+    async def check_peer(request: web.Request, handler):
+        if request.path == "/health":
+            return await handler(request)
+        who = peer(request)
+        if who is None:
+            return web.json_response({"code": 401, "message": "a client certificate of the cluster CA is required"},
+                                     status=401)
+        roles = allowed_roles(request.path)
+        if who[0] not in roles:
+            return web.json_response({"code": 403, "message": f"a {who[0]} certificate may not call {request.path} "
+                                      f"(allowed: {', '.join(sorted(roles))})"}, status=403)
+        request["cluster_peer"] = who
+        return await handler(request)
+
+    return check_peer
