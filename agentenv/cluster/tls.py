@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import ipaddress
 import logging
 import os
 import ssl
 from pathlib import Path
 
 from aiohttp import web
+
+from agentenv import pki
 
 log = logging.getLogger("agentenv.cluster.tls")
 
@@ -55,48 +56,16 @@ OTHER_ROLES = {"gateway", "admin", "scheduler"}
 
 # ---------------------------------------------------------------------- making certificates
 
-def _write_private(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-
-
-def _key():
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    return ec.generate_private_key(ec.SECP256R1())
-
-
-def _pem_key(key) -> bytes:
-    from cryptography.hazmat.primitives import serialization
-
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
 def create_ca(directory: Path, *, name: str = "agentenv cluster CA", days: int = CA_DAYS) -> Path:
     """ca.crt + ca.key (0600) in `directory`; refuses to overwrite an existing CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import NameOID
 
     directory = Path(directory)
     if (directory / "ca.key").exists():
         raise FileExistsError(f"{directory / 'ca.key'} exists: a cluster CA is there already")
-    key = _key()
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
-    _write_private(directory / "ca.key", _pem_key(key))
-    (directory / "ca.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key, cert = pki.self_signed_ca([(NameOID.COMMON_NAME, name)], days=days, backdate=dt.timedelta(minutes=5))
+    pki.write_private(directory / "ca.key", pki.pem_key(key))
+    pki.write_public(directory / "ca.crt", pki.pem_cert(cert))
     return directory / "ca.crt"
 
 
@@ -104,42 +73,20 @@ def issue_cert(ca_dir: Path, role: str, name: str, out_dir: Path, *, hosts: list
                days: int = DEFAULT_DAYS, stem: str | None = None) -> tuple[Path, Path]:
     """A certificate + key for `role` (CN `name`, OU `role`), valid for `hosts` (IPs or DNS names),
     signed by the CA in `ca_dir`. Written (atomically, key 0600) as <out_dir>/<stem or name>.crt/.key."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
     ca_dir, out_dir = Path(ca_dir), Path(out_dir)
-    ca_key = serialization.load_pem_private_key((ca_dir / "ca.key").read_bytes(), None)
-    ca_cert = x509.load_pem_x509_certificate((ca_dir / "ca.crt").read_bytes())
-    sans: list[x509.GeneralName] = []
-    for h in hosts:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
-        except ValueError:
-            sans.append(x509.DNSName(h))
-    key = _key()
-    now = dt.datetime.now(dt.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name),
-                                        x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
-               .issuer_name(ca_cert.subject).public_key(key.public_key())
-               .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-               .not_valid_after(now + dt.timedelta(days=days))
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                     ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False))
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
+    ca_cert, ca_key = pki.load_ca(ca_dir / "ca.crt", ca_dir / "ca.key")
+    key, cert = pki.leaf(ca_cert, ca_key, [(NameOID.COMMON_NAME, name), (NameOID.ORGANIZATIONAL_UNIT_NAME, role)],
+                         sans=pki.san_entries(list(hosts)),
+                         usages=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+                         days=days, backdate=dt.timedelta(minutes=5))
     crt_path, key_path = out_dir / f"{stem or name}.crt", out_dir / f"{stem or name}.key"
     # key first, then the certificate: a reloader that sees the new certificate finds its key
-    _write_private(key_path.with_suffix(".key.tmp"), _pem_key(key))
-    os.replace(key_path.with_suffix(".key.tmp"), key_path)
-    tmp = crt_path.with_suffix(".crt.tmp")
-    tmp.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    os.replace(tmp, crt_path)
+    pki.write_private(key_path, pki.pem_key(key))
+    pki.write_public(crt_path, pki.pem_cert(cert))
     return crt_path, key_path
 
 

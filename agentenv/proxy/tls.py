@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from agentenv import pki
 
 CA_DAYS = 3650
 LEAF_DAYS = 397
@@ -28,14 +29,6 @@ class TlsFiles:
     ca: Path | None        # the local CA clients must trust (None: an operator's certificate)
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
-
-
 def prepare(tls_dir: Path, domain: str, cert: Path | None = None, key: Path | None = None) -> TlsFiles:
     """The PEM HAProxy serves: from the operator's files, or from the local CA (created if needed)."""
     tls_dir.mkdir(parents=True, exist_ok=True)
@@ -43,7 +36,7 @@ def prepare(tls_dir: Path, domain: str, cert: Path | None = None, key: Path | No
     if cert is not None or key is not None:
         if cert is None or key is None:
             raise ValueError("tls_cert and tls_key go together")
-        _write_private(pem, cert.read_bytes().rstrip(b"\n") + b"\n" + key.read_bytes())
+        pki.write_private(pem, cert.read_bytes().rstrip(b"\n") + b"\n" + key.read_bytes())
         return TlsFiles(pem, None)
     ca_pem, ca_key = tls_dir / "ca.pem", tls_dir / "ca.key"
     if not (ca_pem.exists() and ca_key.exists()):
@@ -51,7 +44,7 @@ def prepare(tls_dir: Path, domain: str, cert: Path | None = None, key: Path | No
     leaf, leaf_key = tls_dir / "server.pem", tls_dir / "server.key"
     if not _leaf_ok(leaf, domain):
         _new_leaf(ca_pem, ca_key, leaf, leaf_key, domain)
-    _write_private(pem, leaf.read_bytes() + ca_pem.read_bytes() + leaf_key.read_bytes())
+    pki.write_private(pem, leaf.read_bytes() + ca_pem.read_bytes() + leaf_key.read_bytes())
     return TlsFiles(pem, ca_pem)
 
 
@@ -81,49 +74,21 @@ def _leaf_ok(path: Path, domain: str) -> bool:
 
 
 def _new_ca(ca_pem: Path, ca_key: Path) -> None:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "agentenv local CA"),
-                      x509.NameAttribute(NameOID.ORGANIZATION_NAME, "agentenv")])
-    now = dt.datetime.now(dt.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
-            .not_valid_after(now + dt.timedelta(days=CA_DAYS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-            .sign(key, hashes.SHA256()))
-    _write_private(ca_key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                             serialization.NoEncryption()))
-    ca_pem.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key, cert = pki.self_signed_ca([(NameOID.COMMON_NAME, "agentenv local CA"),
+                                    (NameOID.ORGANIZATION_NAME, "agentenv")],
+                                   days=CA_DAYS, backdate=dt.timedelta(hours=1))
+    pki.write_private(ca_key, pki.pem_key(key))
+    pki.write_public(ca_pem, pki.pem_cert(cert))
 
 
 def _new_leaf(ca_pem: Path, ca_key: Path, leaf: Path, leaf_key: Path, domain: str) -> None:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    ca = x509.load_pem_x509_certificate(ca_pem.read_bytes())
-    ca_private = serialization.load_pem_private_key(ca_key.read_bytes(), password=None)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = dt.datetime.now(dt.timezone.utc)
-    host = domain.split(":", 1)[0]
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"*.{host}")]))
-            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(hours=1)).not_valid_after(now + dt.timedelta(days=LEAF_DAYS))
-            .add_extension(x509.SubjectAlternativeName(_names(domain)), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.public_key()), critical=False)
-            .sign(ca_private, hashes.SHA256()))
-    _write_private(leaf_key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    leaf.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    ca, ca_private = pki.load_ca(ca_pem, ca_key)
+    key, cert = pki.leaf(ca, ca_private, [(NameOID.COMMON_NAME, f"*.{domain.split(':', 1)[0]}")],
+                         sans=_names(domain), usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+                         days=LEAF_DAYS, backdate=dt.timedelta(hours=1))
+    pki.write_private(leaf_key, pki.pem_key(key))
+    pki.write_public(leaf, pki.pem_cert(cert))
