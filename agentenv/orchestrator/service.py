@@ -8,7 +8,8 @@ here. The handlers compose the parts, each in a module of its own:
 - `lifecycle` legal transitions, per-sandbox locks, the live records: the only writer of a state
 - `admission` node capacity and team quotas
 - `pausing`   pause / resume;  `capture`: fork and snapshot captures (never lose the source)
-- `warm`      per-template warm images;  `catalog`: snapshots;  `routing`: the traffic resolver
+- `warm`      per-template warm images;  `pool`: ready sandboxes restored from them ahead of demand
+- `catalog`   snapshots;  `routing`: the traffic resolver
 - `templates` template builds (over the host)
 
 Filesystem chain of every sandbox: base image → read-only layers (content-addressed, top first) →
@@ -39,6 +40,7 @@ from agentenv.orchestrator.host import SandboxHost
 from agentenv.orchestrator.ids import new_sandbox_id, new_snapshot_id  # noqa: F401 - public names
 from agentenv.orchestrator.lifecycle import Lifecycle
 from agentenv.orchestrator.pausing import PauseResume
+from agentenv.orchestrator.pool import SandboxPool
 from agentenv.orchestrator.starting import Starts
 from agentenv.orchestrator.routing import Route, TrafficResolver, wakeable  # noqa: F401 - Route: public name
 from agentenv.orchestrator.templates import TemplateService
@@ -76,10 +78,12 @@ class Orchestrator:
         self.pauses = PauseResume(self.host, self.lifecycle, self.admission, publish=publish_paused, lose=self._lose)
         self.captures = Capture(self.host, self.lifecycle, lose=self._lose)
         self.warm = WarmImages(self.host, self.gc_artifacts)
+        self.pool = SandboxPool(settings, self.host)
+        self.warm.on_ready.append(self._pool_template)
         self.snapshots = SnapshotCatalog(store, artifacts, self.gc_artifacts)
         self.templates = TemplateService(self.host, store, self.gc_artifacts)
         self.starts = Starts(settings, store, self.host, self.lifecycle, self.admission, self.warm, self.snapshots,
-                             self.templates)
+                             self.templates, self.pool)
         self.resolver = TrafficResolver(self.lifecycle.get, self.lifecycle.records, self.host.slots,
                                         self.resume_on_traffic)
         self._reaper: asyncio.Task | None = None
@@ -166,11 +170,34 @@ class Orchestrator:
         if self.settings.warm_start:
             await self.warm.ensure_all([t for t in await self.store.list_templates()
                                         if t.team_id is None and not await self.store.list_tags(t.template_id)])
+        for tmpl in await self.store.list_templates():
+            await self._pool_template(tmpl)
+
+    async def _pool_template(self, tmpl: TemplateRecord) -> None:
+        """Fill the template's pool when pool_templates names it (at start, and when its warm image is ready)."""
+        if not self.pool.wants(tmpl.template_id, tmpl.aliases):
+            return
+        try:
+            found = await self.templates.resolve_for_create(tmpl.template_id, tmpl.team_id)
+            if found is None:
+                return
+            build = found[1]
+            runtime = await self.starts.choose_runtime(None, tmpl, build, None)
+            meta = None
+            if build is None:
+                meta = self.warm.meta(tmpl, self.warm.key(tmpl, await self.host.images.ensure_tools()))
+            source = self.starts.pool_source(tmpl, build, meta, runtime)
+        except AgentEnvError as e:
+            log.warning("pool: template %s cannot be pooled: %s", tmpl.template_id, e.message)
+            return
+        if source is not None:
+            self.pool.want(source, named=True)
 
     async def stop(self, *, kill_running: bool = True) -> None:
         with events.shutting_down():
             await self.templates.stop()
             await self.warm.stop()
+            await self.pool.stop()
             if self._reaper:
                 self._reaper.cancel()
                 try:
@@ -199,7 +226,9 @@ class Orchestrator:
     async def gc_artifacts(self) -> dict[str, int]:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
         layers, memory = self.warm.artifacts_in_use()
-        memory |= self.host.pinned()
+        p_layers, p_memory = self.pool.artifacts_in_use()
+        layers |= p_layers
+        memory |= p_memory | self.host.pinned()
         t_layers, t_memory = await self.templates.artifacts_in_use()
         layers |= t_layers
         memory |= t_memory

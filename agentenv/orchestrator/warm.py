@@ -33,6 +33,8 @@ class WarmImages:
         self.artifacts = host.artifacts
         self._gc_artifacts = gc_artifacts
         self.building: dict[str, asyncio.Task] = {}
+        # Awaited with the template when its image is ready (the pool fills from it).
+        self.on_ready: list[Callable[[TemplateRecord], Awaitable[None]]] = []
 
     def key(self, tmpl: TemplateRecord, tools: Path) -> str:
         """What a warm image depends on: a change to any of these makes it stale."""
@@ -135,6 +137,12 @@ class WarmImages:
             log.info("warm image of template %s ready in %.2fs", tmpl.template_id, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - creates keep booting cold
             log.warning("could not build the warm image of template %s: %s", tmpl.template_id, e)
+            return
         finally:
             await asyncio.shield(host.teardown(sid))
             await self._gc_artifacts()
+        for cb in self.on_ready:
+            try:
+                await cb(tmpl)
+            except Exception:  # noqa: BLE001
+                log.exception("warm image ready hook failed for %s", tmpl.template_id)
