@@ -90,14 +90,14 @@ def _envd_headers(access_token: str | None, user: str) -> dict[str, str]:
 
 async def run_process(host_ip: str, *, access_token: str | None, cmd: str, user: str, cwd: str | None = None,
                       envs: dict[str, str] | None = None, shell: str = "/bin/sh", background: bool = False,
-                      on_output=None, timeout: float | None = None) -> int | None:
+                      on_output=None, timeout: float | None = None, login: bool = False) -> int | None:
     """Run `cmd` through `shell -c` inside the sandbox over envd's process.Start stream.
 
     Returns the exit code; with `background` returns None as soon as the process started (the
     host closes the stream, which never kills the process). `on_output(stream, text)` receives
     stdout/stderr as it arrives.
     """
-    process: dict = {"cmd": shell, "args": ["-c", cmd], "envs": dict(envs or {})}
+    process: dict = {"cmd": shell, "args": ["-l", "-c", cmd] if login else ["-c", cmd], "envs": dict(envs or {})}
     if cwd:
         process["cwd"] = cwd
     payload = json.dumps({"process": process, "stdin": False}).encode()

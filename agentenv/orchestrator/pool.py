@@ -34,6 +34,11 @@ log = logging.getLogger("agentenv.orchestrator")
 PRESSURE_CHECK_S = 1.0      # how often memory pressure is read (two small /proc reads)
 PRESSURE_CALM_S = 10.0      # how long pressure must be gone before the pool refills
 FAILURE_BACKOFF_S = 30.0    # after a failed restore, a pool waits this long before the next one
+# A refill waits for a quiet moment: REFILL_QUIET_S without a take from that pool, but no longer than
+# REFILL_MAX_WAIT_S after the first take it answers. A restore is ~0.25 s of CPU; on a small node
+# it would otherwise compete with the very sandbox just taken (its /init and first command).
+REFILL_QUIET_S = 0.5
+REFILL_MAX_WAIT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class SandboxPool:
         self._filling: dict[tuple, asyncio.Task] = {}
         self._restoring: dict[str, Source] = {}     # sandbox id -> source, restores in flight
         self._failed_at: dict[tuple, float] = {}
+        self._last_take: dict[tuple, float] = {}
+        self._short_since: dict[tuple, float] = {}  # first take not yet answered by a refill
         self._dropping: set[asyncio.Task] = set()   # teardowns of pools replaced by a newer image
         self._pressure_until = 0.0                  # monotonic time before which nothing refills
         self._monitor: asyncio.Task | None = None
@@ -125,6 +132,8 @@ class SandboxPool:
         pooled = q.popleft() if q else None
         if pooled is not None:
             self.taken[source.template_id] = self.taken.get(source.template_id, 0) + 1
+            self._last_take[source.key] = time.monotonic()
+            self._short_since.setdefault(source.key, time.monotonic())
         self.want(source)
         return pooled
 
@@ -171,8 +180,20 @@ class SandboxPool:
 
     async def _fill(self, key: tuple) -> None:
         while (src := self._sources.get(key)) is not None and self._room(src):
+            await self._quiet_moment(key)
+            if not self._room(src):
+                return
+            self._short_since.pop(key, None)
             if not await self._restore_one(src):
                 return
+
+    async def _quiet_moment(self, key: tuple) -> None:
+        while True:
+            now = time.monotonic()
+            last, first = self._last_take.get(key, -1e9), self._short_since.get(key, now)
+            if now - last >= REFILL_QUIET_S or now - first >= REFILL_MAX_WAIT_S:
+                return
+            await asyncio.sleep(min(REFILL_QUIET_S - (now - last), REFILL_MAX_WAIT_S - (now - first)) + 0.01)
 
     async def _restore_one(self, src: Source) -> bool:
         sid = new_sandbox_id()
