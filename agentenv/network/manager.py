@@ -301,11 +301,13 @@ class NetworkManager:
     # ---------------------------------------------------------------- allocation
 
     async def allocate(self, sandbox_id: str, allow_internet: bool = True,
-                       policy: EgressPolicy | None = None) -> NetSlot:
+                       policy: EgressPolicy | None = None, *, rules: bool = True) -> NetSlot:
         """A new slot whose egress rules are in force before anything can run in it.
 
         `allow_internet` is the root-ns switch (forwarding out of the host at all); `policy` the
         sandbox's own rules inside the slot (default: everything but the platform-denied ranges).
+        `rules=False`: links and addresses only; the caller runs `install_rules` before `activate`
+        (nothing leaves the slot before: the guest link's peer is down), e.g. alongside a restore.
         """
         t0 = time.monotonic()
         async with self._lock:
@@ -317,11 +319,12 @@ class NetworkManager:
                 raise RuntimeFailure(f"netns {self.names.netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
             self._pending.add(sandbox_id)
         try:
-            return await self._allocate(sandbox_id, allow_internet, policy or EgressPolicy(), t0)
+            return await self._allocate(sandbox_id, allow_internet, policy or EgressPolicy(), t0, rules)
         finally:
             self._pending.discard(sandbox_id)
 
-    async def _allocate(self, sandbox_id: str, allow_internet: bool, policy: EgressPolicy, t0: float) -> NetSlot:
+    async def _allocate(self, sandbox_id: str, allow_internet: bool, policy: EgressPolicy, t0: float,
+                        rules: bool) -> NetSlot:
         for _attempt in range(8):
             async with self._lock:
                 index = self._pick_index()
@@ -332,7 +335,9 @@ class NetworkManager:
                            veth_host=self.names.host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
                            allow_internet=allow_internet)
             try:
-                await self._create(slot, policy)
+                await self._create(slot)
+                if rules:
+                    await self.install_rules(slot, policy)
                 break
             except _LinkTaken:
                 # aeh<index> belongs to another manager on this host (other server or test run):
@@ -358,7 +363,7 @@ class NetworkManager:
                 return cand
         raise Unavailable(f"no free network slot in {self.subnet}")
 
-    async def _create(self, slot: NetSlot, policy: EgressPolicy) -> None:
+    async def _create(self, slot: NetSlot) -> None:
         # create=True: pyroute2 creates the namespace and opens a socket inside it.
         async with _netlink(netns=slot.netns, create=True) as ns, _netlink() as root:
             await ns.link("add", ifname=GUEST_LINK, kind="veth", peer=GATEWAY_LINK)
@@ -389,6 +394,10 @@ class NetworkManager:
             (lo,) = await ns.link_lookup(ifname="lo")
             await ns.link("set", index=lo, state="up")
             await ns.route("add", dst="0.0.0.0/0", gateway=constants.GUEST_GATEWAY_IP, oif=eth0)
+
+    async def install_rules(self, slot: NetSlot, policy: EgressPolicy) -> None:
+        """The slot's egress rules (nft in the netns, the domain proxy, the internet switch, bandwidth):
+        part of `allocate`, or run by its caller before `activate` (`allocate(rules=False)`)."""
         await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)
         await run_cmd(["nsenter", f"--net={slot.netns_path}", "sh", "-c", _NETNS_SETUP_SH],
                       input=_netns_ruleset(slot.host_ip, policy, self.platform).encode(), timeout=CMD_TIMEOUT,
