@@ -182,8 +182,11 @@ table ip agentenv {{
 
 
 # Run inside the slot's netns: forwarding on, IPv6 off (nothing of ours speaks it), then nft.
+# The gateway link resolves the guest's address by ARP; a request the just-restored guest missed is
+# retried after retrans_time_ms (1 s by default, which a create then waits out): 50 ms here.
 _NETNS_SETUP_SH = (
     "echo 1 > /proc/sys/net/ipv4/ip_forward && "
+    f"echo 50 > /proc/sys/net/ipv4/neigh/{GATEWAY_LINK}/retrans_time_ms && "
     "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 && "
     "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
     "exec nft -f -"

@@ -371,12 +371,15 @@ class SandboxHost:
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
-        await self.release_slot(sandbox_id)
-        try:
-            with span("rootfs.release", sandbox_id):
-                await self.rootfs.release(sandbox_id)
-        except Exception:  # noqa: BLE001
-            log.exception("rootfs release failed for %s", sandbox_id)
+
+        async def release_rootfs() -> None:
+            try:
+                with span("rootfs.release", sandbox_id):
+                    await self.rootfs.release(sandbox_id)
+            except Exception:  # noqa: BLE001
+                log.exception("rootfs release failed for %s", sandbox_id)
+
+        await asyncio.gather(self.release_slot(sandbox_id), release_rootfs())  # independent of each other
 
     async def stop(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Stop the sandbox's runtime (raises on failure)."""
