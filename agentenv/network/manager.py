@@ -43,6 +43,7 @@ from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure, Unavailable
 from agentenv.network.egress import EGRESS_PROXY_PORT, EgressProxy
 from agentenv.network.policy import EgressPolicy, platform_sets
+from agentenv.network.nsock import netlink_fd
 from agentenv.network.slots import (
     GATEWAY_LINK,
     GUEST_LINK,
@@ -182,7 +183,7 @@ table ip agentenv {{
 
 
 # Run inside the slot's netns: forwarding on, IPv6 off (nothing of ours speaks it), then nft.
-# The gateway link resolves the guest's address by ARP; a request the just-restored guest missed is
+# The gateway link resolves the guest's address by ARP; a request a just-restored guest misses is
 # retried after retrans_time_ms (1 s by default, which a create then waits out): 50 ms here.
 _NETNS_SETUP_SH = (
     "echo 1 > /proc/sys/net/ipv4/ip_forward && "
@@ -197,9 +198,10 @@ _NETNS_SETUP_SH = (
 async def _netlink(netns: str | None = None, create: bool = False) -> AsyncIterator[AsyncIPRoute]:
     """An rtnetlink socket (optionally inside a named netns) with a deadline on everything done with it:
     netlink calls have no timeout of their own and a lost reply would hang the caller forever."""
-    kw = {} if netns is None else {"netns": netns, "flags": os.O_CREAT if create else 0}
     try:
         async with asyncio.timeout(NETLINK_TIMEOUT):
+            # In a netns: a socket made there by a thread of ours (`nsock`), not by pyroute2's fork.
+            kw = {} if netns is None else {"fileno": await netlink_fd(f"{NETNS_RUN_DIR}/{netns}", create=create)}
             async with AsyncIPRoute(**kw) as ipr:
                 yield ipr
     except TimeoutError:
@@ -369,7 +371,8 @@ class NetworkManager:
     async def _create(self, slot: NetSlot) -> None:
         # create=True: pyroute2 creates the namespace and opens a socket inside it.
         async with _netlink(netns=slot.netns, create=True) as ns, _netlink() as root:
-            await ns.link("add", ifname=GUEST_LINK, kind="veth", peer=GATEWAY_LINK)
+            await ns.link("add", ifname=GUEST_LINK, kind="veth", address=constants.GUEST_MAC,
+                          peer={"ifname": GATEWAY_LINK, "address": constants.GUEST_GATEWAY_MAC})
             # The netns now exists: plug the host-facing veth into it.
             try:
                 await root.link("add", ifname=slot.veth_host, kind="veth",

@@ -42,7 +42,7 @@ class WarmImages:
         """What a warm image depends on: a change to any of these makes it stale."""
         parts = [tools.name, tmpl.template_id, tmpl.image, str(tmpl.cpu_count), str(tmpl.memory_mb),
                  str(self.settings.max_upload_bytes), str(self.settings.memory_headroom_mb), self.runtime(tmpl),
-                 hashlib.sha256(self.host.host_token.encode()).hexdigest()[:16], "boot_id-mount", "tmp-on-disk", "warm-shell"]
+                 hashlib.sha256(self.host.host_token.encode()).hexdigest()[:16], "boot_id-mount", "tmp-on-disk", "warm-shell", "fixed-mac"]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
     def runtime(self, tmpl: TemplateRecord) -> str:
