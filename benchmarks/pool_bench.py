@@ -107,7 +107,7 @@ def bench_lifecycle(bench, log, stats) -> None:
     seconds = 15 if bench.quick else 30
     out: dict = {"seconds": seconds, "cores": os.cpu_count()}
     try:
-        for pool in (0, POOL_SIZE):
+        for pool in sorted({0, POOL_SIZE}):
             restart(bench, pool)
             for clients in (4, 8):
                 log(f"lifecycle: {clients} clients, pool {pool}, {seconds} s")

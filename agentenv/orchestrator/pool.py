@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,9 +35,11 @@ log = logging.getLogger("agentenv.orchestrator")
 PRESSURE_CHECK_S = 1.0      # how often memory pressure is read (two small /proc reads)
 PRESSURE_CALM_S = 10.0      # how long pressure must be gone before the pool refills
 FAILURE_BACKOFF_S = 30.0    # after a failed restore, a pool waits this long before the next one
-# A refill waits for a quiet moment: REFILL_QUIET_S without a take from that pool, but no longer than
-# REFILL_MAX_WAIT_S after the first take it answers. A restore is ~0.25 s of CPU; on a small node
-# it would otherwise compete with the very sandbox just taken (its /init and first command).
+# A refill waits for a quiet moment: REFILL_QUIET_S without a take from that pool, or REFILL_MAX_WAIT_S
+# after the first take it answers if no sandbox is starting on the node meanwhile. A restore is
+# ~0.25 s of CPU: it would otherwise compete with the very sandbox just taken (its /init and first
+# command), and under a stream of creates with their own starts (the pool then moves no work, it only
+# adds contention: the stream runs the ordinary way until it pauses).
 REFILL_QUIET_S = 0.5
 REFILL_MAX_WAIT_S = 2.0
 
@@ -69,9 +72,11 @@ class Pooled:
 
 
 class SandboxPool:
-    def __init__(self, settings: Settings, host: SandboxHost) -> None:
+    def __init__(self, settings: Settings, host: SandboxHost, busy: Callable[[], bool] = lambda: False) -> None:
+        """`busy()`: whether sandboxes are starting on the node now (refills wait for a quiet moment)."""
         self.settings = settings
         self.host = host
+        self._busy = busy
         self._ready: dict[tuple, deque[Pooled]] = {}
         self._sources: dict[tuple, Source] = {}
         self._filling: dict[tuple, asyncio.Task] = {}
@@ -81,6 +86,7 @@ class SandboxPool:
         self._short_since: dict[tuple, float] = {}  # first take not yet answered by a refill
         self._dropping: set[asyncio.Task] = set()   # teardowns of pools replaced by a newer image
         self._pressure_until = 0.0                  # monotonic time before which nothing refills
+        self._pressure_logged = False
         self._monitor: asyncio.Task | None = None
         self._stopped = False
         self.taken: dict[str, int] = {}             # template -> creates served from the pool
@@ -172,6 +178,9 @@ class SandboxPool:
     def _room(self, src: Source) -> bool:
         if not self.enabled or time.monotonic() < self._pressure_until:
             return False
+        if self.under_pressure() is not None:  # checked before every restore, not only by the watcher
+            self._pressure_until = time.monotonic() + PRESSURE_CALM_S
+            return False
         if time.monotonic() - self._failed_at.get(src.key, -1e9) < FAILURE_BACKOFF_S:
             return False
         if len(self._ready.get(src.key, ())) >= self.settings.pool_size:
@@ -191,9 +200,9 @@ class SandboxPool:
         while True:
             now = time.monotonic()
             last, first = self._last_take.get(key, -1e9), self._short_since.get(key, now)
-            if now - last >= REFILL_QUIET_S or now - first >= REFILL_MAX_WAIT_S:
+            if now - last >= REFILL_QUIET_S or (now - first >= REFILL_MAX_WAIT_S and not self._busy()):
                 return
-            await asyncio.sleep(min(REFILL_QUIET_S - (now - last), REFILL_MAX_WAIT_S - (now - first)) + 0.01)
+            await asyncio.sleep(max(0.05, min(REFILL_QUIET_S - (now - last), REFILL_MAX_WAIT_S - (now - first))) + 0.01)
 
     async def _restore_one(self, src: Source) -> bool:
         sid = new_sandbox_id()
@@ -220,8 +229,8 @@ class SandboxPool:
             self._restoring.pop(sid, None)
             if not ok:
                 await asyncio.shield(self.host.teardown(sid, src.runtime))
-        if self._stopped or src.key not in self._sources:
-            await asyncio.shield(self.host.teardown(sid, src.runtime))  # dropped meanwhile
+        if self._stopped or src.key not in self._sources or time.monotonic() < self._pressure_until:
+            await asyncio.shield(self.host.teardown(sid, src.runtime))  # dropped or drained meanwhile
             return False
         self._ready.setdefault(src.key, deque()).append(Pooled(sid, src, time.monotonic()))
         log.info("pool: %s of template %s ready in %.3fs", sid, src.template_id, time.monotonic() - t0)
@@ -239,7 +248,7 @@ class SandboxPool:
     # ------------------------------------------------------------------ drain
 
     async def drain(self, why: str) -> int:
-        """Tear every ready sandbox down (restores in flight finish and are torn down by `_fill`)."""
+        """Tear every ready sandbox down (a restore in flight is torn down when it ends: `_restore_one`)."""
         pooled = [p for q in self._ready.values() for p in q]
         self._ready.clear()
         if pooled:
@@ -263,12 +272,14 @@ class SandboxPool:
             try:
                 why = self.under_pressure()
                 if why is not None:
-                    first = time.monotonic() >= self._pressure_until
+                    first = not self._pressure_logged
+                    self._pressure_logged = True
                     self._pressure_until = time.monotonic() + PRESSURE_CALM_S
                     if first or any(self._ready.values()):
                         log.warning("pool: memory pressure (%s): draining, no refills for %.0fs", why, PRESSURE_CALM_S)
                     await self.drain(why)
                 elif time.monotonic() >= self._pressure_until:
+                    self._pressure_logged = False
                     for key in list(self._sources):
                         if len(self._ready.get(key, ())) < self.settings.pool_size:
                             self._fill_soon(key)

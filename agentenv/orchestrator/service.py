@@ -78,7 +78,8 @@ class Orchestrator:
         self.pauses = PauseResume(self.host, self.lifecycle, self.admission, publish=publish_paused, lose=self._lose)
         self.captures = Capture(self.host, self.lifecycle, lose=self._lose)
         self.warm = WarmImages(self.host, self.gc_artifacts)
-        self.pool = SandboxPool(settings, self.host)
+        self.pool = SandboxPool(settings, self.host, busy=lambda: self.admission.starting > 0 or any(
+            r.state in (SandboxState.CREATING, SandboxState.RESUMING) for r in self.lifecycle.records()))
         self.warm.on_ready.append(self._pool_template)
         self.snapshots = SnapshotCatalog(store, artifacts, self.gc_artifacts)
         self.templates = TemplateService(self.host, store, self.gc_artifacts)

@@ -151,3 +151,29 @@ def test_stop_tears_the_pool_down(pool_server):
     assert len(runsc_containers(srv.data_dir)) >= SIZE  # the pooled sandboxes run
     srv.stop(gc=False)  # the leftovers check runs before any `agentenv gc` could hide a leak
     assert runsc_containers(srv.data_dir) == []
+
+
+def test_under_memory_pressure_the_pool_stays_empty_and_creates_still_work():
+    """A MemAvailable threshold no host meets: the pool never holds a sandbox, creates boot or restore
+    the ordinary way."""
+    d = new_data_dir("poolpressure")
+    srv = start_extra_server(d, env={"AGENTENV_POOL_SIZE": str(SIZE), "AGENTENV_POOL_MIN_AVAILABLE_MB": str(1 << 40)})
+    try:
+        _wait(lambda: _metric(srv, "agentenv_warm_pool_images", "base") >= 1, "the warm image")
+        time.sleep(3)  # a pool would have started filling by now
+        assert _ready(srv) == 0
+        sbx = Sandbox.create(envs={"K": "p"}, **srv.sdk_opts())
+        try:
+            srv.known_ids.add(sbx.sandbox_id)
+            assert sbx.commands.run("echo $K").stdout == "p\n"
+            assert _taken(srv) == 0
+        finally:
+            sbx.kill()
+        assert "memory pressure" in srv.log_path.read_text()
+        srv.stop(gc=False)
+        assert runsc_containers(srv.data_dir) == []
+    finally:
+        if not srv.stopped:
+            srv.stop(check_leftovers=False)
+        run_gc(d, srv.env)
+        remove_data_dir(d)
