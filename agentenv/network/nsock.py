@@ -80,7 +80,8 @@ async def netlink_fd(path: str, *, create: bool = False, proto: int = socket.NET
         try:
             fd = _socket_in(path, create, proto)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(e))
+            err = e  # `e` is unbound after the except block, the callback runs later
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
             return
 
         def deliver() -> None:
