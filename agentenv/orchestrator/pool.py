@@ -156,6 +156,13 @@ class SandboxPool:
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._watch_pressure(), name="pool-pressure")
 
+    async def forget_template(self, template_id: str) -> None:
+        """The template is gone: its pools too (awaited: its layers may be collected right after)."""
+        fills = [t for k, t in self._filling.items() if k[0] == template_id]
+        for key in [k for k in self._sources if k[0] == template_id]:
+            self._forget(key)
+        await asyncio.gather(*fills, *self._dropping, return_exceptions=True)
+
     def _forget(self, key: tuple) -> None:
         self._sources.pop(key, None)
         task = self._filling.pop(key, None)

@@ -83,6 +83,7 @@ class Orchestrator:
         self.warm.on_ready.append(self._pool_template)
         self.snapshots = SnapshotCatalog(store, artifacts, self.gc_artifacts)
         self.templates = TemplateService(self.host, store, self.gc_artifacts)
+        self.templates.on_deleted.append(self.pool.forget_template)
         self.starts = Starts(settings, store, self.host, self.lifecycle, self.admission, self.warm, self.snapshots,
                              self.templates, self.pool)
         self.resolver = TrafficResolver(self.lifecycle.get, self.lifecycle.records, self.host.slots,

@@ -143,6 +143,9 @@ def test_custom_templates_get_a_pool_after_their_first_create(pool_server):
         assert sbx.commands.run("cat /home/user/marker; echo $K").stdout == "built\nt\n"
     finally:
         sbx.kill()
+    # deleting the template takes its pool with it
+    assert requests.delete(f"{srv.url}/templates/{tid}", headers=srv.headers(), timeout=60).status_code == 204
+    _wait(lambda: _ready(srv, tid) == 0, "the deleted template's pool to go", 60)
 
 
 def test_stop_tears_the_pool_down(pool_server):
