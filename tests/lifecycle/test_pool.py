@@ -180,3 +180,26 @@ def test_under_memory_pressure_the_pool_stays_empty_and_creates_still_work():
             srv.stop(check_leftovers=False)
         run_gc(d, srv.env)
         remove_data_dir(d)
+
+
+def test_pooled_sandboxes_of_a_crashed_server_are_removed_at_the_next_start():
+    d = new_data_dir("poolcrash")
+    env = {"AGENTENV_POOL_SIZE": "1", "AGENTENV_POOL_MIN_AVAILABLE_MB": "0"}
+    srv = start_extra_server(d, env=env)
+    srv2 = None
+    try:
+        _wait(lambda: _ready(srv) >= 1, "a pooled sandbox")
+        before = set(runsc_containers(d))
+        assert before
+        srv.kill9()  # the pooled sandbox keeps running, with no record anywhere
+        srv2 = start_extra_server(d, api_key=srv.api_key, env=env)
+        _wait(lambda: not (before & set(runsc_containers(d))), "the crashed server's pooled sandbox to go", 60)
+        _wait(lambda: _ready(srv2) >= 1, "a new pooled sandbox")
+        srv2.stop(gc=False)
+        assert runsc_containers(d) == []
+    finally:
+        for s in (srv, srv2):
+            if s is not None and not s.stopped:
+                s.stop(check_leftovers=False)
+        run_gc(d, env)
+        remove_data_dir(d)
