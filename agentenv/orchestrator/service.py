@@ -80,12 +80,12 @@ class Orchestrator:
         self.warm = WarmImages(self.host, self.gc_artifacts)
         self.pool = SandboxPool(settings, self.host, busy=lambda: self.admission.starting > 0 or any(
             r.state in (SandboxState.CREATING, SandboxState.RESUMING) for r in self.lifecycle.records()))
-        self.warm.on_ready.append(self._pool_template)
         self.snapshots = SnapshotCatalog(store, artifacts, self.gc_artifacts)
         self.templates = TemplateService(self.host, store, self.gc_artifacts)
         self.templates.on_deleted.append(self.pool.forget_template)
         self.starts = Starts(settings, store, self.host, self.lifecycle, self.admission, self.warm, self.snapshots,
                              self.templates, self.pool)
+        self.warm.on_ready.append(self.starts.pool_template)
         self.resolver = TrafficResolver(self.lifecycle.get, self.lifecycle.records, self.host.slots,
                                         self.resume_on_traffic)
         self._reaper: asyncio.Task | None = None
@@ -173,27 +173,7 @@ class Orchestrator:
             await self.warm.ensure_all([t for t in await self.store.list_templates()
                                         if t.team_id is None and not await self.store.list_tags(t.template_id)])
         for tmpl in await self.store.list_templates():
-            await self._pool_template(tmpl)
-
-    async def _pool_template(self, tmpl: TemplateRecord) -> None:
-        """Fill the template's pool when pool_templates names it (at start, and when its warm image is ready)."""
-        if not self.pool.wants(tmpl.template_id, tmpl.aliases):
-            return
-        try:
-            found = await self.templates.resolve_for_create(tmpl.template_id, tmpl.team_id)
-            if found is None:
-                return
-            build = found[1]
-            runtime = await self.starts.choose_runtime(None, tmpl, build, None)
-            meta = None
-            if build is None:
-                meta = self.warm.meta(tmpl, self.warm.key(tmpl, await self.host.images.ensure_tools()))
-            source = self.starts.pool_source(tmpl, build, meta, runtime)
-        except AgentEnvError as e:
-            log.warning("pool: template %s cannot be pooled: %s", tmpl.template_id, e.message)
-            return
-        if source is not None:
-            self.pool.want(source, named=True)
+            await self.starts.pool_template(tmpl)
 
     async def stop(self, *, kill_running: bool = True) -> None:
         with events.shutting_down():

@@ -153,6 +153,26 @@ class Starts:
                           tmpl.cpu_count, tmpl.memory_mb, tmpl.disk_mb)
         return None
 
+    async def pool_template(self, tmpl: TemplateRecord) -> None:
+        """Fill the template's pool when pool_templates names it (at start, and when its warm image is ready)."""
+        if not self.pool.wants(tmpl.template_id, tmpl.aliases):
+            return
+        try:
+            found = await self.templates.resolve_for_create(tmpl.template_id, tmpl.team_id)
+            if found is None:
+                return
+            build = found[1]
+            runtime = await self.choose_runtime(None, tmpl, build, None)
+            meta = None
+            if build is None:
+                meta = self.warm.meta(tmpl, self.warm.key(tmpl, await self.host.images.ensure_tools()))
+            source = self.pool_source(tmpl, build, meta, runtime)
+        except AgentEnvError as e:
+            log.warning("pool: template %s cannot be pooled: %s", tmpl.template_id, e.message)
+            return
+        if source is not None:
+            self.pool.want(source, named=True)
+
     async def _spawn_pooled(self, rec: SandboxRecord, pooled: Pooled) -> bool:
         """Make a pooled sandbox this one: `/init` with its token and env (`spawn`). False when the pooled
         sandbox failed (`spawn` tore it down): the caller starts one the ordinary way, same id."""
