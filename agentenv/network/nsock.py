@@ -4,7 +4,8 @@ pyroute2 opens a socket in another netns (and creates a netns) in a forked child
 the whole server, 15-25 ms each on our hosts, three per sandbox start. A namespace is a property of
 a thread, so a short-lived thread of our own enters (or creates) the netns, opens the socket and
 exits; the socket stays in the namespace it was made in. The thread is never reused, so nothing
-else ever runs in the wrong namespace. ~1-2 ms.
+else ever runs in the wrong namespace. ~1-2 ms. The egress proxy's sockets in a slot come from
+here too.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _enter_here(path: str) -> None:
         os.close(fd)
 
 
-def _socket_in(path: str, create: bool, proto: int) -> int:
+def _socket_in(path: str, create: bool, family: int, type_: int, proto: int) -> socket.socket:
     if create:
         try:
             _create_here(path)
@@ -68,17 +69,17 @@ def _socket_in(path: str, create: bool, proto: int) -> int:
             _enter_here(path)
     else:
         _enter_here(path)
-    return socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, proto).detach()
+    return socket.socket(family, type_, proto)
 
 
-async def netlink_fd(path: str, *, create: bool = False, proto: int = socket.NETLINK_ROUTE) -> int:
-    """A netlink socket's fd inside the netns bound at `path` (`create`: make the netns if missing)."""
+async def socket_in(path: str, family: int, type_: int, proto: int = 0, *, create: bool = False) -> socket.socket:
+    """A new socket living in the netns bound at `path` (`create`: make the netns if missing)."""
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future[int] = loop.create_future()
+    fut: asyncio.Future[socket.socket] = loop.create_future()
 
     def run() -> None:
         try:
-            fd = _socket_in(path, create, proto)
+            sock = _socket_in(path, create, family, type_, proto)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
             err = e  # `e` is unbound after the except block, the callback runs later
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
@@ -86,12 +87,16 @@ async def netlink_fd(path: str, *, create: bool = False, proto: int = socket.NET
 
         def deliver() -> None:
             if fut.done():  # the caller gave up (cancelled): do not leak the socket
-                os.close(fd)
+                sock.close()
             else:
-                fut.set_result(fd)
+                fut.set_result(sock)
 
         loop.call_soon_threadsafe(deliver)
 
     threading.Thread(target=run, name="netns-socket", daemon=True).start()
     return await fut
 
+
+async def netlink_fd(path: str, *, create: bool = False, proto: int = socket.NETLINK_ROUTE) -> int:
+    """A netlink socket's fd inside the netns bound at `path` (`create`: make the netns if missing)."""
+    return (await socket_in(path, socket.AF_NETLINK, socket.SOCK_DGRAM, proto, create=create)).detach()
