@@ -37,6 +37,7 @@ from typing import AsyncIterator
 
 from pyroute2 import AsyncIPRoute, IPRoute, netns as pr_netns
 from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl.ndmsg import NUD_PERMANENT
 
 from agentenv import constants
 from agentenv.config import Settings
@@ -435,12 +436,20 @@ class NetworkManager:
     def policy_for(self, sandbox_id: str) -> EgressPolicy | None:
         return self._policies.get(sandbox_id)
 
-    async def activate(self, slot: NetSlot) -> None:
-        """Bring up the netns-kernel side once the runtime owns eth0 (after run/restore returned)."""
+    async def activate(self, slot: NetSlot, guest_mac: str | None = None) -> None:
+        """Bring up the netns-kernel side once the runtime owns eth0 (after run/restore returned).
+
+        `guest_mac`: the guest's MAC when the runtime takes eth0's (gVisor), as a permanent neighbour
+        of gw0: the slot's kernel then never ARPs for the guest. A just-restored guest missed those
+        requests now and then, and every connection to it waited ~1 s for the next round."""
         async with _netlink(netns=slot.netns) as ns:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
                 await ns.link("set", index=idx, state="up")
+            if guest_mac is not None:
+                (gw0,) = await ns.link_lookup(ifname=GATEWAY_LINK)
+                await ns.neigh("replace", dst=constants.GUEST_IP, lladdr=guest_mac, ifindex=gw0, state=NUD_PERMANENT)
+
             host0 = (await ns.link_lookup(ifname=NS_HOST_LINK))[0]
             # runsc stripped eth0's address (and with it the guest default route); the netns kernel
             # now routes everything that is not the guest /30 back to the host.

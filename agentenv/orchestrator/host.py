@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
+from agentenv import constants
 from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
 from agentenv.errors import AgentEnvError, CaptureRefused, RuntimeFailure, Unavailable
 from agentenv.models import SandboxRecord
@@ -251,8 +252,8 @@ class SandboxHost:
             for r in done:
                 if isinstance(r, BaseException):
                     raise r
-        with span("network.activate", rec.sandbox_id):
-            await self.network.activate(slot)
+        with span("network.activate", rec.sandbox_id):  # gVisor's guest link has eth0's fixed MAC
+            await self.network.activate(slot, guest_mac=None if rt.traits.vm else constants.GUEST_MAC)
         with span("envd.wait_healthy", rec.sandbox_id):
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
                                            timeout=rt.traits.envd_timeout_s)
