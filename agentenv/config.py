@@ -108,6 +108,22 @@ class Settings(BaseSettings):
     # Create sandboxes by restoring a pre-booted, checkpointed sandbox of the template (about 2x
     # faster than booting); built in the background at start, cold boot until it is ready.
     warm_start: bool = True
+    # The pool of ready sandboxes (orchestrator/pool.py, docs/architecture.md): per template, this
+    # many sandboxes restored from its warm (or built) image ahead of demand and refilled in the
+    # background, so a create is envd's /init on one of them. 0 disables it. Needs warm_start for
+    # templates without builds. A create with egress rules of its own bypasses the pool.
+    pool_size: int = Field(default=2, ge=0, le=64)
+    # Which templates get a pool: "*" = the default template `base` from the start and every other
+    # template once a sandbox was created from it; or a comma-separated list of names/IDs (pooled
+    # from the start, nothing else).
+    pool_templates: str = "*"
+    # The most memory the pool may hold, counted as the sum of its sandboxes' memory sizes (the
+    # templates' memoryMB; an idle restored sandbox uses far less): a pool stops filling there.
+    pool_memory_mb: int = Field(default=8192, ge=0)
+    # Memory pressure drains the pool (and stops refills until it is gone): MemAvailable under this
+    # many MiB, or the kernel's memory PSI "some avg10" above pool_max_memory_psi percent.
+    pool_min_available_mb: int = Field(default=2048, ge=0)
+    pool_max_memory_psi: float = Field(default=10.0, ge=0, le=100)
     # Ready-made templates the server builds at start (in the background) when missing or stale,
     # comma-separated: "code-interpreter" (aliases code-interpreter-v1, the SDK's default).
     builtin_templates: str = ""

@@ -13,6 +13,12 @@ JUPYTER_PORT = 49999
 GUEST_IP = "169.254.0.22"
 GUEST_GATEWAY_IP = "169.254.0.21"
 GUEST_PREFIXLEN = 30
+# Fixed (locally administered) MAC addresses of the guest link and its gateway, the same in every
+# slot like the addresses: a memory image restored into another slot finds the gateway it cached in
+# its ARP table (a random MAC left a restored guest sending to the old one until its ARP entry
+# expired: a 1 s stall of one in ~6 creates/resumes).
+GUEST_MAC = "02:a9:fe:00:00:16"
+GUEST_GATEWAY_MAC = "02:a9:fe:00:00:15"
 
 # Where the read-only tools layer (envd + its own interpreter) is mounted inside every sandbox.
 TOOLS_MOUNT = "/.agentenv"

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 # Steps that need neither the agentenv server nor the raw runsc baseline.
 SERVERLESS_STEPS = {"firecracker", "qemu"}
 # Steps that need the server but no raw runsc baseline.
-RAWLESS_STEPS = {"metrics", "templates"}
+RAWLESS_STEPS = {"metrics", "templates", "pool", "lifecycle"}
 AGENTENV = str(Path(sys.prefix) / "bin" / "agentenv")
 RAW_PORT = 49983
 MiB = 1024 * 1024
@@ -402,6 +402,7 @@ class BenchServer:
         self.url = ""
         self.key = ""
         self._log_offset = 0
+        self.env: dict[str, str] = {}
 
     def prepare(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -420,12 +421,17 @@ class BenchServer:
                            stdin=subprocess.DEVNULL)
         return (r.stdout + r.stderr).strip()
 
-    def start(self, timeout: float = 600) -> None:
+    def start(self, timeout: float = 600, env: dict[str, str] | None = None) -> None:
+        """Start the server; `env`: AGENTENV_* overrides (kept for restarts). No pool of ready
+        sandboxes unless asked (AGENTENV_POOL_SIZE): the pool has its own step (`pool`)."""
         port = free_port()
         self.key = "e2b_" + secrets.token_hex(20)
         self.url = f"http://127.0.0.1:{port}"
+        if env is not None:
+            self.env = dict(env)
         env = dict(os.environ, AGENTENV_DATA_DIR=str(self.data_dir), AGENTENV_HOST="127.0.0.1",
-                   AGENTENV_PORT=str(port), AGENTENV_BOOTSTRAP_API_KEY=self.key)
+                   AGENTENV_PORT=str(port), AGENTENV_BOOTSTRAP_API_KEY=self.key,
+                   **{"AGENTENV_POOL_SIZE": "0", **self.env})
         with open(self.log_path, "wb") as f:
             self.proc = subprocess.Popen([AGENTENV, "serve"], env=env, stdin=subprocess.DEVNULL, stdout=f,
                                          stderr=subprocess.STDOUT, start_new_session=True)
@@ -1048,7 +1054,7 @@ class Bench:
         steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
                  ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot),
                  ("firecracker", self.bench_firecracker), ("qemu", self.bench_qemu), ("proxy", self.bench_proxy), ("metrics", self.bench_metrics),
-                 ("templates", self.bench_templates)]
+                 ("templates", self.bench_templates), ("pool", self.bench_pool), ("lifecycle", self.bench_lifecycle)]
         for name, fn in steps:
             if only and name not in only:
                 continue
@@ -1234,6 +1240,14 @@ class Bench:
 
         self.results["qemu"] = asyncio.run(qemu_bench.run(self.quick, BENCH_DIR / "qemu", TEST_IMAGES, log=log))
 
+    def bench_pool(self) -> None:
+        import pool_bench
+        pool_bench.bench_pool(self, log, stats)
+
+    def bench_lifecycle(self) -> None:
+        import pool_bench
+        pool_bench.bench_lifecycle(self, log, stats)
+
     def ensure_server(self) -> None:
         if self.srv is None or self.srv.alive():
             return
@@ -1308,6 +1322,8 @@ def report(res: dict) -> str:
             st = c[k]
             L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
         L.append("")
+    import pool_bench
+    L += pool_bench.report(res, ms)
     e = res.get("exec")
     if e:
         L += ["### 2. Command round trip", "", "| | n | p50 | p95 | max |", "|---|---|---|---|---|"]
@@ -1565,7 +1581,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
     ap.add_argument("--only", default="",
-                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics,cluster,templates")
+                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics,cluster,templates,"
+                         "pool,lifecycle")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)

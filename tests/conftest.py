@@ -35,6 +35,11 @@ from leftovers import agentenv_netns, assert_no_leftovers, find_leftovers, mount
 from serverproc import agentenv_executable, free_port, log_tail, run_gc, stop_server
 
 DEFAULT_DATA_DIR = "/var/tmp/agentenv-test"
+
+# No pool of ready sandboxes in the servers tests start (session, extra, cluster: they inherit this
+# environment) unless a test asks for one (tests/lifecycle/test_pool.py): pooled sandboxes would be
+# restored in the background while other tests measure or count containers.
+os.environ.setdefault("AGENTENV_POOL_SIZE", "0")
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 LOG_NAME = "test-server.log"
 

@@ -22,15 +22,13 @@ and drops the listener, which would otherwise keep the namespace alive after the
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import os
 import re
 import socket
 import struct
-import threading
 from dataclasses import dataclass, field
 
+from agentenv.network.nsock import socket_in
 from agentenv.network.policy import EgressPolicy
 
 log = logging.getLogger(__name__)
@@ -44,53 +42,17 @@ MAX_HEAD = 16 * 1024
 # a guest opening connections in a loop cannot exhaust the server process's file descriptors.
 MAX_CONNS_PER_SANDBOX = 256
 _SO_ORIGINAL_DST = 80
-_CLONE_NEWNET = 0x40000000
-_libc = ctypes.CDLL(None, use_errno=True)
 _HTTP_METHOD = re.compile(rb"^[A-Z]{3,10} ")
 
 
 # ------------------------------------------------------------------ sockets in another netns
 
 
-def _make_socket_in(netns_path: str) -> socket.socket:
-    """Runs in a thread of its own (setns changes only the calling thread, which then ends)."""
-    fd = os.open(netns_path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if _libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({netns_path}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+async def socket_in_netns(netns_path: str) -> socket.socket:
+    """A new non-blocking TCP socket living in the network namespace at `netns_path` (`nsock`)."""
+    sock = await socket_in(netns_path, socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
     return sock
-
-
-async def socket_in_netns(netns_path: str) -> socket.socket:
-    """A new TCP socket living in the network namespace at `netns_path`."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[socket.socket] = loop.create_future()
-
-    def fail(e: BaseException) -> None:
-        if not fut.done():
-            fut.set_exception(e)
-
-    def deliver(sock: socket.socket) -> None:
-        if fut.done():  # the awaiting coroutine was cancelled
-            sock.close()
-        else:
-            fut.set_result(sock)
-
-    def work() -> None:
-        try:
-            res = _make_socket_in(netns_path)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(fail, e)
-            return
-        loop.call_soon_threadsafe(deliver, res)
-
-    threading.Thread(target=work, name="netns-socket", daemon=True).start()
-    return await fut
 
 
 def original_dst(sock: socket.socket) -> tuple[str, int]:

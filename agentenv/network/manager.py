@@ -37,12 +37,14 @@ from typing import AsyncIterator
 
 from pyroute2 import AsyncIPRoute, IPRoute, netns as pr_netns
 from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl.ndmsg import NUD_PERMANENT
 
 from agentenv import constants
 from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure, Unavailable
 from agentenv.network.egress import EGRESS_PROXY_PORT, EgressProxy
 from agentenv.network.policy import EgressPolicy, platform_sets
+from agentenv.network.nsock import netlink_fd
 from agentenv.network.slots import (
     GATEWAY_LINK,
     GUEST_LINK,
@@ -182,8 +184,11 @@ table ip agentenv {{
 
 
 # Run inside the slot's netns: forwarding on, IPv6 off (nothing of ours speaks it), then nft.
+# The gateway link resolves the guest's address by ARP; a request a just-restored guest misses is
+# retried after retrans_time_ms (1 s by default, which a create then waits out): 50 ms here.
 _NETNS_SETUP_SH = (
     "echo 1 > /proc/sys/net/ipv4/ip_forward && "
+    f"echo 50 > /proc/sys/net/ipv4/neigh/{GATEWAY_LINK}/retrans_time_ms && "
     "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 && "
     "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
     "exec nft -f -"
@@ -194,9 +199,10 @@ _NETNS_SETUP_SH = (
 async def _netlink(netns: str | None = None, create: bool = False) -> AsyncIterator[AsyncIPRoute]:
     """An rtnetlink socket (optionally inside a named netns) with a deadline on everything done with it:
     netlink calls have no timeout of their own and a lost reply would hang the caller forever."""
-    kw = {} if netns is None else {"netns": netns, "flags": os.O_CREAT if create else 0}
     try:
         async with asyncio.timeout(NETLINK_TIMEOUT):
+            # In a netns: a socket made there by a thread of ours (`nsock`), not by pyroute2's fork.
+            kw = {} if netns is None else {"fileno": await netlink_fd(f"{NETNS_RUN_DIR}/{netns}", create=create)}
             async with AsyncIPRoute(**kw) as ipr:
                 yield ipr
     except TimeoutError:
@@ -301,11 +307,13 @@ class NetworkManager:
     # ---------------------------------------------------------------- allocation
 
     async def allocate(self, sandbox_id: str, allow_internet: bool = True,
-                       policy: EgressPolicy | None = None) -> NetSlot:
+                       policy: EgressPolicy | None = None, *, rules: bool = True) -> NetSlot:
         """A new slot whose egress rules are in force before anything can run in it.
 
         `allow_internet` is the root-ns switch (forwarding out of the host at all); `policy` the
         sandbox's own rules inside the slot (default: everything but the platform-denied ranges).
+        `rules=False`: links and addresses only; the caller runs `install_rules` before `activate`
+        (nothing leaves the slot before: the guest link's peer is down), e.g. alongside a restore.
         """
         t0 = time.monotonic()
         async with self._lock:
@@ -317,11 +325,12 @@ class NetworkManager:
                 raise RuntimeFailure(f"netns {self.names.netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
             self._pending.add(sandbox_id)
         try:
-            return await self._allocate(sandbox_id, allow_internet, policy or EgressPolicy(), t0)
+            return await self._allocate(sandbox_id, allow_internet, policy or EgressPolicy(), t0, rules)
         finally:
             self._pending.discard(sandbox_id)
 
-    async def _allocate(self, sandbox_id: str, allow_internet: bool, policy: EgressPolicy, t0: float) -> NetSlot:
+    async def _allocate(self, sandbox_id: str, allow_internet: bool, policy: EgressPolicy, t0: float,
+                        rules: bool) -> NetSlot:
         for _attempt in range(8):
             async with self._lock:
                 index = self._pick_index()
@@ -332,7 +341,9 @@ class NetworkManager:
                            veth_host=self.names.host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
                            allow_internet=allow_internet)
             try:
-                await self._create(slot, policy)
+                await self._create(slot)
+                if rules:
+                    await self.install_rules(slot, policy)
                 break
             except _LinkTaken:
                 # aeh<index> belongs to another manager on this host (other server or test run):
@@ -358,10 +369,11 @@ class NetworkManager:
                 return cand
         raise Unavailable(f"no free network slot in {self.subnet}")
 
-    async def _create(self, slot: NetSlot, policy: EgressPolicy) -> None:
+    async def _create(self, slot: NetSlot) -> None:
         # create=True: pyroute2 creates the namespace and opens a socket inside it.
         async with _netlink(netns=slot.netns, create=True) as ns, _netlink() as root:
-            await ns.link("add", ifname=GUEST_LINK, kind="veth", peer=GATEWAY_LINK)
+            await ns.link("add", ifname=GUEST_LINK, kind="veth", address=constants.GUEST_MAC,
+                          peer={"ifname": GATEWAY_LINK, "address": constants.GUEST_GATEWAY_MAC})
             # The netns now exists: plug the host-facing veth into it.
             try:
                 await root.link("add", ifname=slot.veth_host, kind="veth",
@@ -389,6 +401,10 @@ class NetworkManager:
             (lo,) = await ns.link_lookup(ifname="lo")
             await ns.link("set", index=lo, state="up")
             await ns.route("add", dst="0.0.0.0/0", gateway=constants.GUEST_GATEWAY_IP, oif=eth0)
+
+    async def install_rules(self, slot: NetSlot, policy: EgressPolicy) -> None:
+        """The slot's egress rules (nft in the netns, the domain proxy, the internet switch, bandwidth):
+        part of `allocate`, or run by its caller before `activate` (`allocate(rules=False)`)."""
         await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)
         await run_cmd(["nsenter", f"--net={slot.netns_path}", "sh", "-c", _NETNS_SETUP_SH],
                       input=_netns_ruleset(slot.host_ip, policy, self.platform).encode(), timeout=CMD_TIMEOUT,
@@ -420,12 +436,20 @@ class NetworkManager:
     def policy_for(self, sandbox_id: str) -> EgressPolicy | None:
         return self._policies.get(sandbox_id)
 
-    async def activate(self, slot: NetSlot) -> None:
-        """Bring up the netns-kernel side once the runtime owns eth0 (after run/restore returned)."""
+    async def activate(self, slot: NetSlot, guest_mac: str | None = None) -> None:
+        """Bring up the netns-kernel side once the runtime owns eth0 (after run/restore returned).
+
+        `guest_mac`: the guest's MAC when the runtime takes eth0's (gVisor), as a permanent neighbour
+        of gw0: the slot's kernel then never ARPs for the guest. A just-restored guest missed those
+        requests now and then, and every connection to it waited ~1 s for the next round."""
         async with _netlink(netns=slot.netns) as ns:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
                 await ns.link("set", index=idx, state="up")
+            if guest_mac is not None:
+                (gw0,) = await ns.link_lookup(ifname=GATEWAY_LINK)
+                await ns.neigh("replace", dst=constants.GUEST_IP, lladdr=guest_mac, ifindex=gw0, state=NUD_PERMANENT)
+
             host0 = (await ns.link_lookup(ifname=NS_HOST_LINK))[0]
             # runsc stripped eth0's address (and with it the guest default route); the netns kernel
             # now routes everything that is not the guest /30 back to the host.

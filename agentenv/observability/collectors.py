@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from agentenv.observability.metrics import cap_labels
@@ -101,6 +101,19 @@ class NodeCollector(Collector):
             building.add_metric([t], 1)
         yield warm
         yield building
+
+        pool = getattr(self.orch, "pool", None)  # a routing orchestrator (cluster gateway) has none
+        if pool is not None:
+            ready = GaugeMetricFamily("agentenv_sandbox_pool_ready", "Ready sandboxes in the pool per template: a "
+                                      "create takes one and only runs envd's /init on it.", labels=["template"])
+            for t, n in sorted(pool.ready_counts().items())[:50]:
+                ready.add_metric([t], n)
+            yield ready
+            taken = CounterMetricFamily("agentenv_sandbox_pool_taken", "Creates served from the pool per "
+                                        "template.", labels=["template"])
+            for t, n in sorted(pool.taken.items())[:50]:
+                taken.add_metric([t], n)
+            yield taken
 
         s = self.sampler
         if s is not None:

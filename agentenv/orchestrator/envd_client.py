@@ -28,15 +28,21 @@ async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) ->
     url = f"http://{host_ip}:{ENVD_PORT}/health"
     delay = 0.01
     last_err: str = "no answer"
+    # A connect whose SYN was dropped (the slot's host side was still coming up) would wait out the
+    # kernel's 1 s SYN retransmission: try again sooner with a fresh connection instead, with a connect
+    # timeout that grows so a loaded host still gets there.
+    connect = 0.1
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
         while True:
             try:
-                async with http.get(url) as resp:
+                async with http.get(url, timeout=aiohttp.ClientTimeout(total=2.0, sock_connect=connect)) as resp:
                     if resp.status in (200, 204):
                         return time.monotonic() - start
                     last_err = f"HTTP {resp.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 last_err = f"{type(e).__name__}: {e}"
+                if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+                    connect = min(connect * 2, 2.0)
             if time.monotonic() - start > timeout:
                 raise RuntimeFailure(f"envd did not become healthy within {timeout:.0f}s ({last_err})")
             if is_alive is not None and delay >= 0.08 and not await is_alive():
@@ -90,14 +96,14 @@ def _envd_headers(access_token: str | None, user: str) -> dict[str, str]:
 
 async def run_process(host_ip: str, *, access_token: str | None, cmd: str, user: str, cwd: str | None = None,
                       envs: dict[str, str] | None = None, shell: str = "/bin/sh", background: bool = False,
-                      on_output=None, timeout: float | None = None) -> int | None:
+                      on_output=None, timeout: float | None = None, login: bool = False) -> int | None:
     """Run `cmd` through `shell -c` inside the sandbox over envd's process.Start stream.
 
     Returns the exit code; with `background` returns None as soon as the process started (the
     host closes the stream, which never kills the process). `on_output(stream, text)` receives
     stdout/stderr as it arrives.
     """
-    process: dict = {"cmd": shell, "args": ["-c", cmd], "envs": dict(envs or {})}
+    process: dict = {"cmd": shell, "args": ["-l", "-c", cmd] if login else ["-c", cmd], "envs": dict(envs or {})}
     if cwd:
         process["cwd"] = cwd
     payload = json.dumps({"process": process, "stdin": False}).encode()

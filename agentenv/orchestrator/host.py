@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
+from agentenv import constants
 from agentenv.constants import DEFAULT_HOME, DEFAULT_USER
 from agentenv.errors import AgentEnvError, CaptureRefused, RuntimeFailure, Unavailable
 from agentenv.models import SandboxRecord
@@ -80,6 +81,7 @@ class SandboxHost:
         self.host_token = self._load_host_token()
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
         self._pinned_layers: dict[str, int] = {}  # layers of captures not committed yet
+        self._rules: dict[str, EgressPolicy] = {}   # slots whose egress rules `launch` installs
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
 
@@ -217,14 +219,19 @@ class SandboxHost:
 
     async def prepare(self, rec: SandboxRecord, slot: NetSlot | None = None) -> tuple[Path, NetSlot]:
         """The sandbox's layers present, its rootfs mounted and a network slot (in parallel; `slot`:
-        keep that one, a capture's source restored in place)."""
+        keep that one, a capture's source restored in place). Under a runtime that is not a VM the
+        slot's egress rules are installed by `launch`, alongside the start or restore (`_rules`)."""
         for digest in rec.layers:
             await self.artifacts.ensure_layer(digest)
         if slot is None:
             policy = policy_of(rec)
+            later = not self.runtime_named(rec.runtime).traits.vm
             rootfs, slot = await asyncio.gather(
                 self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb),
-                self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress, policy=policy))
+                self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress, policy=policy,
+                                      rules=not later))
+            if later:
+                self._rules[rec.sandbox_id] = policy
         else:
             rootfs = await self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb)
         self.slots[rec.sandbox_id] = slot
@@ -241,14 +248,29 @@ class SandboxHost:
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)
         self.write_boot_id(rec.sandbox_id, None if new_boot else restore_from)
         await self.attach_vm_boot(spec)
-        if restore_from is None:
-            with span("runtime.start", rec.sandbox_id):
-                await rt.start(spec)
-        else:
-            with span("runtime.restore", rec.sandbox_id):
-                await rt.restore(spec, restore_from)
-        with span("network.activate", rec.sandbox_id):
-            await self.network.activate(slot)
+
+        async def run() -> None:
+            if restore_from is None:
+                with span("runtime.start", rec.sandbox_id):
+                    await rt.start(spec)
+            else:
+                with span("runtime.restore", rec.sandbox_id):
+                    await rt.restore(spec, restore_from)
+
+        async def rules(policy: EgressPolicy) -> None:
+            with span("network.rules", rec.sandbox_id):
+                await self.network.install_rules(slot, policy)
+
+        policy = self._rules.pop(rec.sandbox_id, None)
+        if policy is None:
+            await run()
+        else:  # nothing leaves the slot before `activate`: its rules go in while the runtime starts
+            done = await asyncio.gather(run(), rules(policy), return_exceptions=True)
+            for r in done:
+                if isinstance(r, BaseException):
+                    raise r
+        with span("network.activate", rec.sandbox_id):  # gVisor's guest link has eth0's fixed MAC
+            await self.network.activate(slot, guest_mac=None if rt.traits.vm else constants.GUEST_MAC)
         with span("envd.wait_healthy", rec.sandbox_id):
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
                                            timeout=rt.traits.envd_timeout_s)
@@ -384,12 +406,15 @@ class SandboxHost:
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
-        await self.release_slot(sandbox_id)
-        try:
-            with span("rootfs.release", sandbox_id):
-                await self.rootfs.release(sandbox_id)
-        except Exception:  # noqa: BLE001
-            log.exception("rootfs release failed for %s", sandbox_id)
+
+        async def release_rootfs() -> None:
+            try:
+                with span("rootfs.release", sandbox_id):
+                    await self.rootfs.release(sandbox_id)
+            except Exception:  # noqa: BLE001
+                log.exception("rootfs release failed for %s", sandbox_id)
+
+        await asyncio.gather(self.release_slot(sandbox_id), release_rootfs())  # independent of each other
 
     async def stop(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Stop the sandbox's runtime (raises on failure)."""
@@ -402,6 +427,7 @@ class SandboxHost:
             log.exception("stop of %s failed", sandbox_id)
 
     async def release_slot(self, sandbox_id: str) -> None:
+        self._rules.pop(sandbox_id, None)
         slot = self.slots.pop(sandbox_id, None) or self.network.slot_for(sandbox_id)
         if slot is not None:
             try:

@@ -9,7 +9,8 @@ here. The handlers compose the parts, each in a module of its own:
 - `admission` node capacity and team quotas
 - `pausing`   pause / resume;  `capture`: fork, snapshot and checkpoint captures (never lose the source)
 - `timetravel` checkpoints with parents, rollback in place, the checkpoint tree
-- `warm`      per-template warm images;  `catalog`: snapshots;  `routing`: the traffic resolver
+- `warm`      per-template warm images;  `pool`: ready sandboxes restored from them ahead of demand
+- `catalog`   snapshots;  `routing`: the traffic resolver
 - `templates` template builds (over the host)
 
 Filesystem chain of every sandbox: base image → read-only layers (content-addressed, top first) →
@@ -40,6 +41,7 @@ from agentenv.orchestrator.host import SandboxHost
 from agentenv.orchestrator.ids import new_sandbox_id, new_snapshot_id  # noqa: F401 - public names
 from agentenv.orchestrator.lifecycle import Lifecycle
 from agentenv.orchestrator.pausing import PauseResume
+from agentenv.orchestrator.pool import SandboxPool
 from agentenv.orchestrator.starting import Starts
 from agentenv.orchestrator.routing import Route, TrafficResolver, wakeable  # noqa: F401 - Route: public name
 from agentenv.orchestrator.templates import TemplateService
@@ -78,10 +80,14 @@ class Orchestrator:
         self.pauses = PauseResume(self.host, self.lifecycle, self.admission, publish=publish_paused, lose=self._lose)
         self.captures = Capture(self.host, self.lifecycle, lose=self._lose)
         self.warm = WarmImages(self.host, self.gc_artifacts)
+        self.pool = SandboxPool(settings, self.host, busy=lambda: self.admission.starting > 0 or any(
+            r.state in (SandboxState.CREATING, SandboxState.RESUMING) for r in self.lifecycle.records()))
         self.snapshots = SnapshotCatalog(store, artifacts, self.gc_artifacts)
         self.templates = TemplateService(self.host, store, self.gc_artifacts)
+        self.templates.on_deleted.append(self.pool.forget_template)
         self.starts = Starts(settings, store, self.host, self.lifecycle, self.admission, self.warm, self.snapshots,
-                             self.templates)
+                             self.templates, self.pool)
+        self.warm.on_ready.append(self.starts.pool_template)
         self.timetravel = TimeTravel(self.host, self.lifecycle, self.captures, self.snapshots, self.gc_artifacts)
         self.resolver = TrafficResolver(self.lifecycle.get, self.lifecycle.records, self.host.slots,
                                         self.resume_on_traffic)
@@ -178,11 +184,14 @@ class Orchestrator:
         if self.settings.warm_start:
             await self.warm.ensure_all([t for t in await self.store.list_templates()
                                         if t.team_id is None and not await self.store.list_tags(t.template_id)])
+        for tmpl in await self.store.list_templates():
+            await self.starts.pool_template(tmpl)
 
     async def stop(self, *, kill_running: bool = True) -> None:
         with events.shutting_down():
             await self.templates.stop()
             await self.warm.stop()
+            await self.pool.stop()
             if self._reaper:
                 self._reaper.cancel()
                 try:
@@ -211,8 +220,9 @@ class Orchestrator:
     async def gc_artifacts(self) -> dict[str, int]:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
         layers, memory = self.warm.artifacts_in_use()
-        memory |= self.host.pinned()
-        layers |= self.host.pinned_layers()
+        p_layers, p_memory = self.pool.artifacts_in_use()
+        layers |= p_layers | self.host.pinned_layers()
+        memory |= p_memory | self.host.pinned()
         t_layers, t_memory = await self.templates.artifacts_in_use()
         layers |= t_layers
         memory |= t_memory

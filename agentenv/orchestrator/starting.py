@@ -11,6 +11,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import timedelta
 
@@ -25,6 +26,7 @@ from agentenv.orchestrator.catalog import SnapshotCatalog
 from agentenv.orchestrator.host import SandboxHost
 from agentenv.orchestrator.ids import new_sandbox_id
 from agentenv.orchestrator.lifecycle import Lifecycle
+from agentenv.orchestrator.pool import Pooled, SandboxPool, Source
 from agentenv.orchestrator.templates import TemplateService
 from agentenv.orchestrator.warm import WarmImages
 from agentenv.runtimes import select as runtime_select
@@ -34,7 +36,7 @@ log = logging.getLogger("agentenv.orchestrator")
 
 class Starts:
     def __init__(self, settings: Settings, store, host: SandboxHost, lifecycle: Lifecycle, admission: Admission,
-                 warm: WarmImages, snapshots: SnapshotCatalog, templates: TemplateService) -> None:
+                 warm: WarmImages, snapshots: SnapshotCatalog, templates: TemplateService, pool: SandboxPool) -> None:
         self.settings = settings
         self.store = store
         self.host = host
@@ -43,6 +45,7 @@ class Starts:
         self.warm = warm
         self.snapshots = snapshots
         self.templates = templates
+        self.pool = pool
 
     async def choose_runtime(self, requested: str | None, tmpl: TemplateRecord | None,
                               build: TemplateBuildRecord | None, snap: SnapshotRecord | None) -> str:
@@ -87,8 +90,11 @@ class Starts:
                       snap: SnapshotRecord | None, runtime: str) -> SandboxRecord:
         now = utcnow()
         src = snap if snap is not None else build if build is not None else tmpl
+        meta = await self.warm.lookup(tmpl, runtime) if snap is None and build is None else None
+        pooled = self._take_pooled(req, tmpl, build, meta, runtime) if snap is None else None
         rec = SandboxRecord(
-            sandbox_id=new_sandbox_id(), template_id=req.template if snap else tmpl.template_id,
+            sandbox_id=pooled.sandbox_id if pooled else new_sandbox_id(),
+            template_id=req.template if snap else tmpl.template_id,
             team_id=req.team_id, state=SandboxState.CREATING, started_at=now,
             end_at=now + timedelta(seconds=req.timeout), cpu_count=src.cpu_count, memory_mb=src.memory_mb,
             disk_mb=src.disk_mb, envd_access_token=secrets.token_urlsafe(24), traffic_access_token=None,
@@ -105,21 +111,85 @@ class Starts:
         if req.network and req.network.get("allowPublicTraffic") is False:
             rec.traffic_access_token = secrets.token_urlsafe(24)
         t0 = time.monotonic()
-        if snap is not None and snap.memory_digest:
+        how = "pool"
+        if pooled is not None and await self._spawn_pooled(rec, pooled):
+            pass
+        elif snap is not None and snap.memory_digest:
+            how = "snapshot"
             await self.spawn_restored(rec, snap.memory_digest, restore_token=snap.restore_token)
         elif snap is not None:
+            how = "snapshot (boot)"
             await self.spawn(rec)  # a filesystem-only snapshot: boot fresh on its layers
         elif build is not None:  # a built template: restore its committed snapshot (start command running)
+            how = "build"
             await self.spawn_restored(rec, build.memory_digest, restore_token=build.restore_token, new_boot=True)
         else:
-            await self._spawn_from_template(rec, tmpl)
-        log.info("created sandbox %s from %s in %.3fs (runtime %s)", rec.sandbox_id, req.template,
-                 time.monotonic() - t0, rec.runtime)
+            how = "warm image" if meta is not None else "boot"
+            await self._spawn_from_template(rec, tmpl, meta)
+        log.info("created sandbox %s from %s in %.3fs (runtime %s, %s)", rec.sandbox_id, req.template,
+                 time.monotonic() - t0, rec.runtime, how)
         return rec
 
-    async def _spawn_from_template(self, rec: SandboxRecord, tmpl: TemplateRecord) -> None:
+    # ------------------------------------------------------------------ the pool of ready sandboxes
+
+    def _take_pooled(self, req: ops.CreateSandbox, tmpl: TemplateRecord, build: TemplateBuildRecord | None,
+                     meta: dict | None, runtime: str) -> Pooled | None:
+        """A ready sandbox for this create from the pool (`pool.py`), or None. A create with egress
+        rules other than the node's default, or a request for a public-traffic token, bypasses it."""
+        if not self.pool.enabled or req.network is not None or req.allow_internet_access not in (
+                None, self.settings.allow_internet_access):
+            return None
+        source = self.pool_source(tmpl, build, meta, runtime)
+        return self.pool.take(source) if source is not None else None
+
+    def pool_source(self, tmpl: TemplateRecord, build: TemplateBuildRecord | None, meta: dict | None,
+                    runtime: str) -> Source | None:
+        """What the template's pooled sandboxes are restored from: its built image, or its warm image."""
+        if build is not None and build.memory_digest:
+            return Source(tmpl.template_id, runtime, build.image, tuple(build.layers), build.memory_digest,
+                          build.restore_token, build.cpu_count, build.memory_mb, build.disk_mb)
+        if build is None and meta is not None:
+            return Source(tmpl.template_id, runtime, tmpl.image, tuple(meta.get("layers", [])), meta["memory"], None,
+                          tmpl.cpu_count, tmpl.memory_mb, tmpl.disk_mb)
+        return None
+
+    async def pool_template(self, tmpl: TemplateRecord) -> None:
+        """Fill the template's pool when pool_templates names it (at start, and when its warm image is ready)."""
+        if not self.pool.wants(tmpl.template_id, tmpl.aliases):
+            return
+        try:
+            found = await self.templates.resolve_for_create(tmpl.template_id, tmpl.team_id)
+            if found is None:
+                return
+            build = found[1]
+            runtime = await self.choose_runtime(None, tmpl, build, None)
+            meta = None
+            if build is None:
+                meta = self.warm.meta(tmpl, self.warm.key(tmpl, await self.host.images.ensure_tools()))
+            source = self.pool_source(tmpl, build, meta, runtime)
+        except AgentEnvError as e:
+            log.warning("pool: template %s cannot be pooled: %s", tmpl.template_id, e.message)
+            return
+        if source is not None:
+            self.pool.want(source, named=True)
+
+    async def _spawn_pooled(self, rec: SandboxRecord, pooled: Pooled) -> bool:
+        """Make a pooled sandbox this one: `/init` with its token and env (`spawn`). False when the pooled
+        sandbox failed (`spawn` tore it down): the caller starts one the ordinary way, same id."""
+        rec.layers = list(pooled.source.layers)
+        slot = self.host.slots.get(rec.sandbox_id)
+        try:
+            if slot is None:
+                raise RuntimeFailure("the pooled sandbox has no network slot")
+            await self.spawn(rec, bring=lambda: self.host.init_envd(rec, slot, pooled.source.restore_token))
+            return True
+        except Exception as e:  # noqa: BLE001 - spawn released it; start fresh instead
+            log.warning("pooled sandbox %s failed (%s); starting it the ordinary way", rec.sandbox_id, e)
+            await asyncio.shield(self.host.teardown(rec.sandbox_id, rec.runtime))  # idempotent
+            return False
+
+    async def _spawn_from_template(self, rec: SandboxRecord, tmpl: TemplateRecord, meta: dict | None) -> None:
         """Start from the template's warm image (a restore) when there is one, else boot (`warm`)."""
-        meta = await self.warm.lookup(tmpl, rec.runtime)
         if meta is None:
             await self.spawn(rec)
             return
@@ -133,15 +203,19 @@ class Starts:
             await self.spawn(rec)
 
     async def spawn(self, rec: SandboxRecord, *, restore_from=None, restore_token: str | None = None,
-                     new_boot: bool = False) -> None:
-        """Bring a new sandbox record to RUNNING (boot, or restore from a memory image); all or nothing."""
+                     new_boot: bool = False, bring: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Bring a new sandbox record to RUNNING (boot, or restore from a memory image; `bring`: what
+        brings it up instead, e.g. /init of a pooled sandbox); all or nothing."""
         async with self.lifecycle.lock(rec.sandbox_id):
             self.lifecycle.enter(rec)
             self.admission.bind()
             await self.lifecycle.persist(rec)
             try:
-                await self.host.bring_up(rec, restore_from=restore_from, restore_token=restore_token,
-                                         new_boot=new_boot)
+                if bring is not None:
+                    await bring()
+                else:
+                    await self.host.bring_up(rec, restore_from=restore_from, restore_token=restore_token,
+                                             new_boot=new_boot)
             except BaseException as e:
                 log.error("start of %s failed: %s", rec.sandbox_id, e)
                 self.host.keep_logs(rec.sandbox_id, "failed")  # the runtime's console/VMM logs say why

@@ -78,6 +78,8 @@ class TemplateService:
         self._tasks: dict[str, asyncio.Task] = {}
         # Per build in flight: layers/memory images it holds before its record or cache entry has them.
         self._pins: dict[str, set[str]] = {}
+        # Awaited with a template's id when it is deleted, before its artifacts are collected (the pool).
+        self.on_deleted: list[Callable[[str], Awaitable[None]]] = []
         self.executor = BuildExecutor(host, store, self._pins, self.files_path, self.resolve_for_create)
 
     def sign(self, text: str) -> str:
@@ -335,6 +337,8 @@ class TemplateService:
         if any(b.status == BuildStatus.BUILDING for b in await self.store.list_builds(tmpl.template_id)):
             raise Conflict(f"template {template_id} has a build in progress")
         await self.store.delete_template(tmpl.template_id)
+        for cb in self.on_deleted:
+            await cb(tmpl.template_id)
         await self._gc_artifacts()
         log.info("deleted template %s (%s)", tmpl.template_id, ",".join(tmpl.aliases))
         return True

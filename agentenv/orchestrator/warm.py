@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from agentenv.models import SandboxRecord, SandboxState, TemplateRecord, utcnow
+from agentenv.constants import DEFAULT_USER
+from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.host import SandboxHost
 from agentenv.orchestrator.ids import new_id
 
@@ -33,12 +35,14 @@ class WarmImages:
         self.artifacts = host.artifacts
         self._gc_artifacts = gc_artifacts
         self.building: dict[str, asyncio.Task] = {}
+        # Awaited with the template when its image is ready (the pool fills from it).
+        self.on_ready: list[Callable[[TemplateRecord], Awaitable[None]]] = []
 
     def key(self, tmpl: TemplateRecord, tools: Path) -> str:
         """What a warm image depends on: a change to any of these makes it stale."""
         parts = [tools.name, tmpl.template_id, tmpl.image, str(tmpl.cpu_count), str(tmpl.memory_mb),
                  str(self.settings.max_upload_bytes), str(self.settings.memory_headroom_mb), self.runtime(tmpl),
-                 hashlib.sha256(self.host.host_token.encode()).hexdigest()[:16], "boot_id-mount", "tmp-on-disk"]
+                 hashlib.sha256(self.host.host_token.encode()).hexdigest()[:16], "boot_id-mount", "tmp-on-disk", "warm-shell", "fixed-mac"]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
     def runtime(self, tmpl: TemplateRecord) -> str:
@@ -104,6 +108,17 @@ class WarmImages:
             task.cancel()
         await asyncio.gather(*self.building.values(), return_exceptions=True)
 
+    @staticmethod
+    async def _warm_shell(host_ip: str) -> None:
+        """Run the login shell a command runs in once before the checkpoint, as the SDKs' commands do
+        (`bash -l -c`): its binaries and profile files are then in the image's page cache, and a
+        sandbox's first command costs what its later ones do (about 40 ms less under gVisor)."""
+        try:
+            await envd_client.run_process(host_ip, access_token=None, cmd="true", user=DEFAULT_USER,
+                                          shell="/bin/bash", login=True, timeout=30)
+        except Exception as e:  # noqa: BLE001 - an image without bash works, only colder
+            log.info("warm image: no login shell warmed (%s)", e)
+
     async def build(self, tmpl: TemplateRecord) -> None:
         """Boot a sandbox of `tmpl` (no /init), capture it, keep its layer + memory image."""
         t0 = time.monotonic()
@@ -124,6 +139,7 @@ class WarmImages:
                 host.rootfs.prepare(sid, host.lowers(rec)), host.network.allocate(sid, allow_internet=False))
             host.slots[sid] = slot
             await host.launch(rec, rootfs, slot, tools, restore_from=None, new_boot=True)
+            await self._warm_shell(slot.host_ip)
             sealed = await host.capture(rec, image)
             meta = {"key": key, "template": tmpl.template_id, "layers": [sealed.layer] if sealed.layer else [],
                     "memory": sealed.memory, "created": utcnow().isoformat()}
@@ -135,6 +151,12 @@ class WarmImages:
             log.info("warm image of template %s ready in %.2fs", tmpl.template_id, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - creates keep booting cold
             log.warning("could not build the warm image of template %s: %s", tmpl.template_id, e)
+            return
         finally:
             await asyncio.shield(host.teardown(sid))
             await self._gc_artifacts()
+        for cb in self.on_ready:
+            try:
+                await cb(tmpl)
+            except Exception:  # noqa: BLE001
+                log.exception("warm image ready hook failed for %s", tmpl.template_id)

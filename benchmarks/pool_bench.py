@@ -1,0 +1,149 @@
+"""The pool of ready sandboxes and lifecycle throughput (steps `pool` and `lifecycle` of run.py).
+
+- `pool`: `Sandbox.create()` + first `commands.run("true")` with a pool of ready sandboxes
+  (`AGENTENV_POOL_SIZE`), sequential; the pool is let refill between samples (untimed), so every
+  sample is a create from the pool (checked with the `agentenv_sandbox_pool_taken` counter).
+- `lifecycle`: N concurrent clients (threads, one SDK each) loop create → `commands.run("true")` →
+  kill for a fixed time; throughput = finished cycles / time, and per core; latency of one cycle.
+  Run without a pool and with one.
+
+The server is restarted with the pool setting each needs (BenchServer.start(env=...)).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+POOL_SIZE = int(os.environ.get("AGENTENV_BENCH_POOL_SIZE", "2"))
+
+
+def metric(url: str, name: str, template: str = "base") -> float:
+    import requests
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    m = re.search(rf'^{name}(?:_total)?{{template="{re.escape(template)}"}} ([0-9.e+]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def wait_pool(url: str, size: int, limit: float = 180.0) -> float:
+    t0 = time.monotonic()
+    while metric(url, "agentenv_sandbox_pool_ready") < size:
+        if time.monotonic() - t0 > limit:
+            raise TimeoutError(f"the pool did not fill to {size} in {limit:.0f}s")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def restart(bench, pool_size: int) -> None:
+    bench.srv.stop()
+    bench.srv.start(env={"AGENTENV_POOL_SIZE": str(pool_size)})
+    if pool_size:
+        wait_pool(bench.srv.url, pool_size, 300)
+
+
+def bench_pool(bench, log, stats) -> None:
+    n = 10 if bench.quick else 30
+    restart(bench, POOL_SIZE)
+    url = bench.srv.url
+    try:
+        taken0 = metric(url, "agentenv_sandbox_pool_taken")
+        total, create, first, refill = [], [], [], []
+        log(f"pool: {n} creates from a pool of {POOL_SIZE} + first command")
+        for _ in range(n):
+            refill.append(wait_pool(url, POOL_SIZE))
+            t0 = time.monotonic()
+            sbx = bench.create()
+            t1 = time.monotonic()
+            sbx.commands.run("true")
+            t2 = time.monotonic()
+            total.append(t2 - t0)
+            create.append(t1 - t0)
+            first.append(t2 - t1)
+            sbx.kill()
+        from_pool = metric(url, "agentenv_sandbox_pool_taken") - taken0
+        bench.results["pool"] = {"size": POOL_SIZE, "ours": stats(total), "ours_create_call": stats(create),
+                                 "ours_first_cmd": stats(first), "from_pool": from_pool,
+                                 "refill_wait": stats(refill)}
+    finally:
+        restart(bench, 0)
+
+
+def _clients(bench, clients: int, seconds: float) -> dict:
+    stop_at = time.monotonic() + seconds
+    lat: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        while time.monotonic() < stop_at:
+            t0 = time.monotonic()
+            try:
+                sbx = bench.create()
+                try:
+                    sbx.commands.run("true")
+                finally:
+                    sbx.kill()
+            except Exception as e:  # noqa: BLE001 - counted, the run goes on
+                with lock:
+                    errors.append(repr(e)[:200])
+                continue
+            with lock:
+                lat.append(time.monotonic() - t0)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0  # includes the cycles that finish after stop_at
+    return {"clients": clients, "cycles": len(lat), "seconds": elapsed, "per_s": len(lat) / elapsed,
+            "per_s_per_core": len(lat) / elapsed / (os.cpu_count() or 1), "latency": lat, "errors": errors}
+
+
+def bench_lifecycle(bench, log, stats) -> None:
+    seconds = 15 if bench.quick else 30
+    out: dict = {"seconds": seconds, "cores": os.cpu_count()}
+    try:
+        for pool in sorted({0, POOL_SIZE}):
+            restart(bench, pool)
+            for clients in (4, 8):
+                log(f"lifecycle: {clients} clients, pool {pool}, {seconds} s")
+                r = _clients(bench, clients, seconds)
+                r["latency"] = stats(r["latency"])
+                out[f"pool{pool}_c{clients}"] = r
+                log(f"lifecycle: {r['per_s']:.2f}/s ({r['per_s_per_core']:.2f}/s per core), "
+                    f"p50 {r['latency']['p50']:.2f}s, errors {len(r['errors'])}")
+    finally:
+        restart(bench, 0)
+    bench.results["lifecycle"] = out
+
+
+def report(res: dict, ms) -> list[str]:
+    L: list[str] = []
+    p = res.get("pool")
+    if p:
+        L += [f"### Create → first command from the pool (size {p['size']}; {p['from_pool']:.0f} of "
+              f"{p['ours']['n']} creates served from it)", "", "| | n | p50 | p95 | max |", "|---|---|---|---|---|"]
+        for label, k in [("`Sandbox.create()` + `commands.run('true')`", "ours"),
+                         ("  of which `Sandbox.create()`", "ours_create_call"),
+                         ("  of which first `commands.run`", "ours_first_cmd")]:
+            st = p[k]
+            L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
+        L.append("")
+    lc = res.get("lifecycle")
+    if lc:
+        L += [f"### Lifecycle throughput (create → `commands.run('true')` → kill, {lc['seconds']} s per run, "
+              f"{lc['cores']} cores)", "",
+              "| pool | clients | cycles | per second | per second per core | p50 cycle | p95 cycle | errors |",
+              "|---|---|---|---|---|---|---|---|"]
+        for k, r in lc.items():
+            if not k.startswith("pool"):
+                continue
+            pool = k[4:].split("_")[0]
+            L.append(f"| {pool} | {r['clients']} | {r['cycles']} | {r['per_s']:.2f} | {r['per_s_per_core']:.2f} | "
+                     f"{ms(r['latency']['p50'])} | {ms(r['latency']['p95'])} | {len(r['errors'])} |")
+        L.append("")
+    return L

@@ -1,0 +1,205 @@
+"""The pool of ready sandboxes: creates take a sandbox restored ahead of demand and only `/init` it.
+
+One extra server with `AGENTENV_POOL_SIZE=2` (the session server runs without a pool, which covers
+the disabled pool: every other test creates through it). What is observed from outside: the
+`agentenv_sandbox_pool_*` metrics, the SDK, and the host's containers / netns / mounts at the end.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime, timezone
+
+import pytest
+import requests
+from e2b import Sandbox, Template
+
+from leftovers import runsc_containers
+from serverproc import new_data_dir, remove_data_dir, run_gc, start_extra_server
+
+pytestmark = pytest.mark.timeout(600)
+
+SIZE = 2
+
+
+def _metric(srv, name: str, template: str) -> float:
+    text = requests.get(f"{srv.url}/metrics", timeout=10).text
+    m = re.search(rf'^{name}(?:_total)?{{template="{re.escape(template)}"}} ([0-9.e+]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _wait(pred, what: str, limit: float = 180.0):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"gave up waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def pool_server():
+    d = new_data_dir("pool")
+    srv = start_extra_server(d, env={"AGENTENV_POOL_SIZE": str(SIZE), "AGENTENV_POOL_MIN_AVAILABLE_MB": "0"})
+    try:
+        yield srv
+    finally:
+        if not srv.stopped:
+            srv.stop(check_leftovers=False)
+        run_gc(d, srv.env)
+        remove_data_dir(d)
+
+
+def _ready(srv, template: str = "base") -> float:
+    return _metric(srv, "agentenv_sandbox_pool_ready", template)
+
+
+def _taken(srv, template: str = "base") -> float:
+    return _metric(srv, "agentenv_sandbox_pool_taken", template)
+
+
+def test_create_from_the_pool_keeps_every_promise_of_create(pool_server):
+    srv = pool_server
+    opts = srv.sdk_opts()
+    _wait(lambda: _ready(srv) >= SIZE, "a full pool of the default template")
+    taken = _taken(srv)
+    sbx = Sandbox.create(envs={"K": "v1"}, metadata={"who": "pool-test"}, timeout=120, secure=True, **opts)
+    try:
+        assert _taken(srv) == taken + 1  # it came from the pool
+        srv.known_ids.add(sbx.sandbox_id)
+        assert re.fullmatch(r"i[a-z0-9]{20}", sbx.sandbox_id)
+        out = sbx.commands.run("echo $K $E2B_SANDBOX_ID; whoami; pwd").stdout.split()
+        assert out == ["v1", sbx.sandbox_id, "user", "/home/user"]
+        info = sbx.get_info()
+        assert info.metadata == {"who": "pool-test"}
+        left = (info.end_at - datetime.now(timezone.utc)).total_seconds()
+        assert 100 < left <= 121, left
+        # a secure sandbox's envd refuses calls without its access token
+        r = requests.get(f"{srv.url}/files", params={"path": "/etc/hostname", "username": "user"},
+                         headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}, timeout=10)
+        assert r.status_code == 401, r.text
+        # pooled sandboxes are nobody's: the list shows only this one
+        assert [s.sandbox_id for s in Sandbox.list(**opts).next_items()] == [sbx.sandbox_id]
+        # the pool refills in the background
+        _wait(lambda: _ready(srv) >= SIZE, "the pool to refill", 120)
+    finally:
+        sbx.kill()
+
+
+def test_a_burst_empties_the_pool_and_creates_go_on_the_ordinary_way(pool_server):
+    srv = pool_server
+    opts = srv.sdk_opts()
+    _wait(lambda: _ready(srv) >= SIZE, "a full pool")
+    taken = _taken(srv)
+    boxes = [Sandbox.create(envs={"N": str(i)}, **opts) for i in range(SIZE + 1)]
+    try:
+        for sbx in boxes:
+            srv.known_ids.add(sbx.sandbox_id)
+        assert len({s.sandbox_id for s in boxes}) == SIZE + 1
+        for i, sbx in enumerate(boxes):
+            assert sbx.commands.run("echo $N").stdout == f"{i}\n"
+        assert taken + 1 <= _taken(srv) <= taken + SIZE + 1
+        # separate sandboxes: a file in one is not in another
+        boxes[0].files.write("/home/user/only-0", "x")
+        assert not boxes[1].files.exists("/home/user/only-0")
+    finally:
+        for sbx in boxes:
+            sbx.kill()
+
+
+def test_a_create_with_egress_rules_bypasses_the_pool(pool_server):
+    srv = pool_server
+    opts = srv.sdk_opts()
+    _wait(lambda: _ready(srv) >= SIZE, "a full pool")
+    taken = _taken(srv)
+    sbx = Sandbox.create(allow_internet_access=False, **opts)
+    try:
+        srv.known_ids.add(sbx.sandbox_id)
+        assert sbx.commands.run("echo ok").stdout == "ok\n"
+        assert _taken(srv) == taken
+    finally:
+        sbx.kill()
+
+
+def test_custom_templates_get_a_pool_after_their_first_create(pool_server):
+    srv = pool_server
+    opts = srv.sdk_opts()
+    tid = Template.build(Template().from_base_image().run_cmd("echo built > /home/user/marker"), "pooled-tmpl",
+                         **opts).template_id
+    first = Sandbox.create("pooled-tmpl", **opts)
+    try:
+        srv.known_ids.add(first.sandbox_id)
+        assert first.commands.run("cat /home/user/marker").stdout == "built\n"
+    finally:
+        first.kill()
+    _wait(lambda: _ready(srv, tid) >= 1, "a pool of the custom template", 120)
+    taken = _taken(srv, tid)
+    sbx = Sandbox.create("pooled-tmpl", envs={"K": "t"}, **opts)
+    try:
+        srv.known_ids.add(sbx.sandbox_id)
+        assert _taken(srv, tid) == taken + 1
+        assert sbx.commands.run("cat /home/user/marker; echo $K").stdout == "built\nt\n"
+    finally:
+        sbx.kill()
+    # deleting the template takes its pool with it
+    assert requests.delete(f"{srv.url}/templates/{tid}", headers=srv.headers(), timeout=60).status_code == 204
+    _wait(lambda: _ready(srv, tid) == 0, "the deleted template's pool to go", 60)
+
+
+def test_stop_tears_the_pool_down(pool_server):
+    srv = pool_server
+    _wait(lambda: _ready(srv) >= SIZE, "a full pool")
+    assert len(runsc_containers(srv.data_dir)) >= SIZE  # the pooled sandboxes run
+    srv.stop(gc=False)  # the leftovers check runs before any `agentenv gc` could hide a leak
+    assert runsc_containers(srv.data_dir) == []
+
+
+def test_under_memory_pressure_the_pool_stays_empty_and_creates_still_work():
+    """A MemAvailable threshold no host meets: the pool never holds a sandbox, creates boot or restore
+    the ordinary way."""
+    d = new_data_dir("poolpressure")
+    srv = start_extra_server(d, env={"AGENTENV_POOL_SIZE": str(SIZE), "AGENTENV_POOL_MIN_AVAILABLE_MB": str(1 << 40)})
+    try:
+        _wait(lambda: _metric(srv, "agentenv_warm_pool_images", "base") >= 1, "the warm image")
+        time.sleep(3)  # a pool would have started filling by now
+        assert _ready(srv) == 0
+        sbx = Sandbox.create(envs={"K": "p"}, **srv.sdk_opts())
+        try:
+            srv.known_ids.add(sbx.sandbox_id)
+            assert sbx.commands.run("echo $K").stdout == "p\n"
+            assert _taken(srv) == 0
+        finally:
+            sbx.kill()
+        assert "memory pressure" in srv.log_path.read_text()
+        srv.stop(gc=False)
+        assert runsc_containers(srv.data_dir) == []
+    finally:
+        if not srv.stopped:
+            srv.stop(check_leftovers=False)
+        run_gc(d, srv.env)
+        remove_data_dir(d)
+
+
+def test_pooled_sandboxes_of_a_crashed_server_are_removed_at_the_next_start():
+    d = new_data_dir("poolcrash")
+    env = {"AGENTENV_POOL_SIZE": "1", "AGENTENV_POOL_MIN_AVAILABLE_MB": "0"}
+    srv = start_extra_server(d, env=env)
+    srv2 = None
+    try:
+        _wait(lambda: _ready(srv) >= 1, "a pooled sandbox")
+        before = set(runsc_containers(d))
+        assert before
+        srv.kill9()  # the pooled sandbox keeps running, with no record anywhere
+        srv2 = start_extra_server(d, api_key=srv.api_key, env=env)
+        _wait(lambda: not (before & set(runsc_containers(d))), "the crashed server's pooled sandbox to go", 60)
+        _wait(lambda: _ready(srv2) >= 1, "a new pooled sandbox")
+        srv2.stop(gc=False)
+        assert runsc_containers(d) == []
+    finally:
+        for s in (srv, srv2):
+            if s is not None and not s.stopped:
+                s.stop(check_leftovers=False)
+        run_gc(d, env)
+        remove_data_dir(d)
