@@ -95,6 +95,10 @@ def tls_env() -> Iterator[tuple[ExtraServer, Resolver, Path]]:
                                                 "AGENTENV_DATA_PLANE": "haproxy"})
         ca = data_dir / "tls" / "ca.pem"
         assert ca.is_file(), srv.log_tail()
+        # the banner follows the data plane's start, so /health can answer a moment before it is printed
+        deadline = time.monotonic() + 30
+        while f"E2B_DOMAIN={domain}" not in srv.log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert f"E2B_DOMAIN={domain}" in srv.log_path.read_text() and str(ca) in srv.log_path.read_text()
         yield srv, resolver, ca
     finally:
