@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+
+from agentenv.observability.events import select_events, wait_past
 
 
 log = logging.getLogger("agentenv.cluster.view")
@@ -54,31 +55,11 @@ class ClusterEvents:
 
     def read(self, since: int, *, limit: int = 1000, team_id: str | None = None,
              sandbox_id: str | None = None) -> list[dict]:
-        out = []
-        for e in self.recent:
-            if e["seq"] <= since:
-                continue
-            if team_id is not None and e.get("teamID") not in (team_id, None):
-                continue
-            if sandbox_id is not None and sandbox_id not in (e.get("sandboxID"), e.get("parentID")):
-                continue
-            out.append(e)
-            if len(out) >= limit:
-                break
-        return out
+        return select_events((e for e in self.recent if e["seq"] > since), limit=limit, team_id=team_id,
+                             sandbox_id=sandbox_id)
 
     async def wait(self, since: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        async with self._changed:
-            while self.seq <= since:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
-                    return self.seq > since
-        return True
+        return await wait_past(self._changed, lambda: self.seq, since, timeout)
 
 
 class EventTailer:

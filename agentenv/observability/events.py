@@ -54,6 +54,38 @@ def _last_seq(path: Path) -> int:
     return 0
 
 
+def select_events(source, *, limit: int, team_id: str | None, sandbox_id: str | None) -> list[dict]:
+    """The events of `source` (in order) a reader may see: its team's (or team-less ones), those of
+    `sandbox_id` (as the sandbox or as a parent) when given; at most `limit`."""
+    out = []
+    for e in source:
+        if team_id is not None and e.get("teamID") not in (team_id, None):
+            continue
+        if sandbox_id is not None and sandbox_id not in (e.get("sandboxID"), e.get("parentID")):
+            continue
+        out.append(e)
+        if len(out) >= limit:
+            break
+    return out
+
+
+async def wait_past(changed: asyncio.Condition, seq: Callable[[], int], since: int, timeout: float) -> bool:
+    """Wait until `seq()` > since (True) or `timeout` passes (False); `changed` is notified on news."""
+    if seq() > since:
+        return True
+    deadline = time.monotonic() + timeout
+    async with changed:
+        while seq() <= since:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(changed.wait(), left)
+            except asyncio.TimeoutError:
+                return seq() > since
+    return True
+
+
 class EventLog:
     def __init__(self, directory: Path, *, webhook_url: str | None = None,
                  on_event: Callable[[dict], None] | None = None) -> None:
@@ -144,32 +176,11 @@ class EventLog:
             source = self._from_file(since)
         else:
             source = [e for e in self.recent if e["seq"] > since]
-        out = []
-        for e in source:
-            if team_id is not None and e.get("teamID") not in (team_id, None):
-                continue
-            if sandbox_id is not None and sandbox_id not in (e.get("sandboxID"), e.get("parentID")):
-                continue
-            out.append(e)
-            if len(out) >= limit:
-                break
-        return out
+        return select_events(source, limit=limit, team_id=team_id, sandbox_id=sandbox_id)
 
     async def wait(self, since: int, timeout: float) -> bool:
         """Wait until an event with seq > since exists (True) or `timeout` passes (False)."""
-        if self.seq > since:
-            return True
-        deadline = time.monotonic() + timeout
-        async with self._changed:
-            while self.seq <= since:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                try:
-                    await asyncio.wait_for(self._changed.wait(), left)
-                except asyncio.TimeoutError:
-                    return self.seq > since
-        return True
+        return await wait_past(self._changed, lambda: self.seq, since, timeout)
 
     async def _deliver(self) -> None:
         assert self._queue is not None
