@@ -9,6 +9,7 @@ class NetworkManager:
         # creates netns + veths + DNAT; only the guest interface is UP (gVisor takes over UP interfaces)
     async def activate(self, slot: NetSlot) -> None   # bring gateway/host-facing links up after runtime start
     async def release(self, slot: NetSlot) -> None    # delete netns, veths, rules; idempotent
+    async def release_id(self, sandbox_id: str) -> bool  # the same by id; also a netns whose link is gone
     async def cleanup_orphans(self, keep: set[str]) -> list[str]   # by sandbox id; returns removed
     def slot_for(self, sandbox_id: str) -> NetSlot | None
 Extra: teardown_host(), discover(), set_internet(), deactivate().
@@ -479,6 +480,20 @@ class NetworkManager:
             if self._slots.get(slot.sandbox_id, slot).index == slot.index:
                 self._slots.pop(slot.sandbox_id, None)
             self._used.discard(slot.index)
+
+    async def release_id(self, sandbox_id: str) -> bool:
+        """Release the sandbox's slot, or just its netns when no root-ns link names it any more (a
+        teardown cut short between the two); whether there was anything to remove."""
+        slot = self.slot_for(sandbox_id)
+        if slot is not None:
+            await self.release(slot)
+            return True
+        name = self.names.netns_name(sandbox_id)
+        if not os.path.exists(os.path.join(NETNS_RUN_DIR, name)):
+            return False
+        await self.egress.close(sandbox_id)
+        _remove_netns(name)
+        return True
 
     async def _teardown(self, slot: NetSlot) -> None:
         # The proxy's listener holds a reference to the netns: close it first or the namespace lives on.

@@ -84,6 +84,8 @@ class SandboxHost:
         self._rules: dict[str, EgressPolicy] = {}   # slots whose egress rules `launch` installs
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
+        # Teardowns in flight: they finish even when their caller is cancelled, and `close` waits.
+        self._teardowns: dict[str, asyncio.Task[None]] = {}
 
     def _load_host_token(self) -> str:
         """A per-data-dir secret envd accepts for re-/init; kept on disk so restores after a restart work."""
@@ -114,6 +116,8 @@ class SandboxHost:
         return self.runtime_named(self.runtime_of.get(sandbox_id) or recorded)
 
     async def close(self) -> None:
+        while self._teardowns:  # a cancelled caller's teardown (shutdown during a warm build) ends here
+            await asyncio.gather(*self._teardowns.values(), return_exceptions=True)
         for rt in self.runtimes.values():
             await rt.close()   # e.g. Firecracker: API clients, its VM store mount
 
@@ -398,7 +402,18 @@ class SandboxHost:
     # ------------------------------------------------------------------ teardown
 
     async def teardown(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
-        """Release everything a sandbox holds; each step idempotent and independent of the others."""
+        """Release everything a sandbox holds; each step idempotent and independent of the others.
+
+        The work runs in a task of its own: a caller cancelled meanwhile (a shutdown during a warm
+        build) does not cut it short, `close` waits for it, and a second caller joins it."""
+        task = self._teardowns.get(sandbox_id)
+        if task is None:
+            task = asyncio.create_task(self._teardown(sandbox_id, recorded_runtime), name=f"teardown-{sandbox_id}")
+            self._teardowns[sandbox_id] = task
+            task.add_done_callback(lambda t: self._teardowns.pop(sandbox_id, None) if self._teardowns.get(sandbox_id) is t else None)
+        await asyncio.shield(task)
+
+    async def _teardown(self, sandbox_id: str, recorded_runtime: str | None) -> None:
         await self.quiesce(sandbox_id)
         try:
             with span("runtime.stop", sandbox_id):
@@ -407,14 +422,21 @@ class SandboxHost:
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
 
-        async def release_rootfs() -> None:
+        async def unmount_rootfs() -> None:
             try:
-                with span("rootfs.release", sandbox_id):
-                    await self.rootfs.release(sandbox_id)
+                with span("rootfs.unmount", sandbox_id):
+                    await self.rootfs.unmount(sandbox_id)
             except Exception:  # noqa: BLE001
-                log.exception("rootfs release failed for %s", sandbox_id)
+                log.exception("rootfs unmount failed for %s", sandbox_id)
 
-        await asyncio.gather(self.release_slot(sandbox_id), release_rootfs())  # independent of each other
+        await asyncio.gather(self.release_slot(sandbox_id), unmount_rootfs())  # independent of each other
+        # The sandbox dir goes last: while it exists, `agentenv gc` after a crash knows the sandbox
+        # and removes whatever of it is left (a warm-image sandbox's netns has no record to find it by).
+        try:
+            with span("rootfs.release", sandbox_id):
+                await self.rootfs.release(sandbox_id)
+        except Exception:  # noqa: BLE001
+            log.exception("rootfs release failed for %s", sandbox_id)
 
     async def stop(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Stop the sandbox's runtime (raises on failure)."""
@@ -475,9 +497,7 @@ class SandboxHost:
                 removed["containers"].append(sid)
         await self.network.discover()
         for sid in sorted(known - keep):
-            slot = self.network.slot_for(sid)
-            if slot is not None:
-                await self.network.release(slot)
+            if await self.network.release_id(sid):
                 removed["netns"].append(sid)
         removed["rootfs"] = list(await self.rootfs.cleanup_orphans(keep))
         return removed

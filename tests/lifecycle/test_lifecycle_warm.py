@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
+from leftovers import NETNS_PREFIX, agentenv_netns
+from serverproc import new_data_dir, remove_data_dir, start_extra_server
+
 
 def _wait_for(pred, what: str, limit: float = 180.0):
     deadline = time.monotonic() + limit
@@ -68,3 +71,45 @@ def test_creates_restore_the_warm_image_and_fall_back_when_it_is_lost(server):
         assert rebuilt["layers"][0] in _lowerdirs(server.data_dir, d.sandbox_id)
     finally:
         d.kill()
+
+
+# runsc whose `delete` takes 3 s: a sandbox's teardown is then still running when the server is
+# told to stop (and a shutdown that does not wait for it leaves the sandbox's pieces behind).
+SLOW_DELETE_RUNSC = """#!/bin/sh
+for a in "$@"; do [ "$a" = delete ] && sleep 3 && break; done
+exec {real} "$@"
+"""
+
+
+def _warm_sandbox(data_dir: Path) -> str | None:
+    """The id of the warm-image sandbox being built on `data_dir` (its sandbox dir), if any."""
+    d = data_dir / "sandboxes"
+    return next((p.name for p in d.iterdir() if p.name.startswith("w")), None) if d.is_dir() else None
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("stop_when", ["booting", "sealed"])
+def test_a_shutdown_during_the_warm_image_build_leaves_nothing_behind(server, stop_when):
+    """SIGTERM while the warm image's sandbox is up (`booting`) or being torn down after its image
+    was written (`sealed`, with a slow runsc delete): the server's own shutdown (no `agentenv gc`)
+    leaves no netns, mount, container or dir of it."""
+    data_dir = new_data_dir("warmstop")
+    real = shutil.which("runsc")
+    assert real, "runsc not installed"
+    wrapper = data_dir / "runsc-slow-delete"
+    wrapper.write_text(SLOW_DELETE_RUNSC.format(real=real))
+    wrapper.chmod(0o755)
+    srv = None
+    try:
+        srv = start_extra_server(data_dir, env={"AGENTENV_WARM_START": "true", "AGENTENV_RUNSC_PATH": str(wrapper)})
+        wid = _wait_for(lambda: _warm_sandbox(data_dir), "the warm-image sandbox's dir")
+        if stop_when == "sealed":
+            _wait_for(lambda: _meta(data_dir / "warm" / "base.json"), "the warm image's metadata")
+        srv.known_ids.add(wid)
+        problems = srv.stop(gc=False)  # raises when anything of this server is left
+        assert not problems, problems
+        assert f"{NETNS_PREFIX}{wid}" not in agentenv_netns()
+    finally:
+        if srv is not None and not srv.stopped:
+            srv.stop()
+        remove_data_dir(data_dir)
