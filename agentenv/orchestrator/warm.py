@@ -20,6 +20,7 @@ from pathlib import Path
 
 from agentenv.models import SandboxRecord, SandboxState, TemplateRecord, utcnow
 from agentenv.constants import DEFAULT_USER
+from agentenv.errors import NotFound
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.host import SandboxHost
 from agentenv.orchestrator.ids import new_id
@@ -40,10 +41,20 @@ class WarmImages:
 
     def key(self, tmpl: TemplateRecord, tools: Path) -> str:
         """What a warm image depends on: a change to any of these makes it stale."""
-        parts = [tools.name, tmpl.template_id, tmpl.image, str(tmpl.cpu_count), str(tmpl.memory_mb),
+        parts = [tools.name, tmpl.template_id, tmpl.image, self._image_revision(tmpl.image),
+                 str(tmpl.cpu_count), str(tmpl.memory_mb),
                  str(self.settings.max_upload_bytes), str(self.settings.memory_headroom_mb), self.runtime(tmpl),
                  hashlib.sha256(self.host.host_token.encode()).hexdigest()[:16], "boot_id-mount", "tmp-on-disk", "warm-shell", "fixed-mac"]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+    def _image_revision(self, image: str) -> str:
+        """The image's build and in-place revision (a cached base image brought up to date by a newer
+        agentenv changes files the warm image's memory may hold)."""
+        try:
+            m = self.host.images.manifest(image)
+        except (NotFound, OSError, ValueError):
+            return ""
+        return f"{m.get('digest') or m.get('build_id') or m.get('created', '')}@{m.get('revision', 0)}"
 
     def runtime(self, tmpl: TemplateRecord) -> str:
         """The runtime a template's warm image is made by (its own, when this node serves it)."""

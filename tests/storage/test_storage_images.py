@@ -71,6 +71,28 @@ def test_user_has_passwordless_sudo(base_rootfs: Path, tmp_path: Path) -> None:
     assert r.stdout.split() == ["user", "0", "42"]
 
 
+def test_login_shells_get_the_path_of_their_user(base_rootfs: Path, tmp_path: Path) -> None:
+    """The image's /etc/profile takes bash's $EUID instead of asking `id -u` (a process per SDK
+    command); bash and dash login shells still get root's or a user's PATH."""
+    assert "${EUID:-$(id -u)}" in (base_rootfs / "etc/profile").read_text()
+    for d in ("u", "w", "m"):
+        (tmp_path / d).mkdir()
+    r = run_in_mount_ns(
+        f"mount -t overlay x -o lowerdir={base_rootfs},upperdir={tmp_path}/u,workdir={tmp_path}/w {tmp_path}/m\n"
+        f"E='env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin'\n"
+        f"$E chroot {tmp_path}/m runuser -u user -- bash -l -c 'echo $PATH'\n"
+        f"$E chroot {tmp_path}/m runuser -u user -- sh -l -c 'echo $PATH'\n"
+        f"$E chroot {tmp_path}/m bash -l -c 'echo $PATH'\n"
+        f"$E chroot {tmp_path}/m sh -l -c 'echo $PATH'\n"
+    )
+    assert r.returncode == 0, r.stderr
+    user_bash, user_sh, root_bash, root_sh = r.stdout.split()
+    for path in (user_bash, user_sh):
+        assert "/usr/bin" in path.split(":") and "/usr/sbin" not in path.split(":"), path
+    for path in (root_bash, root_sh):
+        assert "/usr/sbin" in path.split(":"), path
+
+
 def test_progress_parser_counts(tmp_path: Path) -> None:
     (tmp_path / "debootstrap").mkdir()
     (tmp_path / "debootstrap/deburis").write_text("a 1 x\nb 1 y\nc 1 z\nd 1 w\n")
@@ -168,6 +190,9 @@ async def test_cached_image_is_fixed_up_in_place(tmp_path: Path) -> None:
     (rootfs / "etc").mkdir(parents=True)
     (rootfs / "usr/local/bin").mkdir(parents=True)
     (rootfs / "etc/ld.so.preload").write_text(f"/usr/lib/keep-me.so\n{LEGACY_PRELOAD}\n")
+    slow_profile = 'if [ "$(id -u)" -eq 0 ]; then\n  PATH=/usr/sbin:/usr/bin\nfi\n'
+    (rootfs / "etc/profile").write_text(slow_profile)
+    os.link(rootfs / "etc/profile", tmp_path / "profile-of-another-data-dir")  # images shared by hard links
     manifest = {"name": "base", "build_id": "b1", "created": "x"}
     (rootfs.parent / "manifest.json").write_text(json.dumps(manifest))
     key_before = root_key([rootfs])
@@ -175,6 +200,8 @@ async def test_cached_image_is_fixed_up_in_place(tmp_path: Path) -> None:
     store = ImageStore(Settings(data_dir=tmp_path))
     assert await asyncio.wait_for(store.ensure_base(lambda m, f: progress.append(m)), 600) == rootfs
     assert (rootfs / "etc/ld.so.preload").read_text() == "/usr/lib/keep-me.so\n"
+    assert (rootfs / "etc/profile").read_text() == slow_profile.replace('"$(id -u)"', '"${EUID:-$(id -u)}"')
+    assert (tmp_path / "profile-of-another-data-dir").read_text() == slow_profile  # replaced, not rewritten
     assert nodejs.is_current(rootfs) and os.access(rootfs / "usr/local/bin/node", os.X_OK)
     assert os.readlink(rootfs / "usr/local/bin/npm") == "../lib/node_modules/npm/bin/npm-cli.js"
     assert any("Node.js" in m for m in progress), progress
