@@ -24,9 +24,10 @@ import os
 import secrets
 import shutil
 import uuid
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from agentenv.config import Settings
 from agentenv import constants
@@ -84,8 +85,9 @@ class SandboxHost:
         self._rules: dict[str, EgressPolicy] = {}   # slots whose egress rules `launch` installs
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
-        # Teardowns in flight: they finish even when their caller is cancelled, and `close` waits.
-        self._teardowns: dict[str, asyncio.Task[None]] = {}
+        # Teardowns and stand-downs in flight, by sandbox: they finish even when their caller is
+        # cancelled, the next step on the same sandbox waits for them, and `close` too.
+        self._background: dict[str, asyncio.Task[None]] = {}
 
     def _load_host_token(self) -> str:
         """A per-data-dir secret envd accepts for re-/init; kept on disk so restores after a restart work."""
@@ -116,8 +118,8 @@ class SandboxHost:
         return self.runtime_named(self.runtime_of.get(sandbox_id) or recorded)
 
     async def close(self) -> None:
-        while self._teardowns:  # a cancelled caller's teardown (shutdown during a warm build) ends here
-            await asyncio.gather(*self._teardowns.values(), return_exceptions=True)
+        while self._background:  # e.g. a cancelled caller's teardown (shutdown during a warm build)
+            await asyncio.gather(*self._background.values(), return_exceptions=True)
         for rt in self.runtimes.values():
             await rt.close()   # e.g. Firecracker: API clients, its VM store mount
 
@@ -225,6 +227,7 @@ class SandboxHost:
         """The sandbox's layers present, its rootfs mounted and a network slot (in parallel; `slot`:
         keep that one, a capture's source restored in place). Under a runtime that is not a VM the
         slot's egress rules are installed by `launch`, alongside the start or restore (`_rules`)."""
+        await self.settled(rec.sandbox_id)  # a pause's stand-down still in flight
         for digest in rec.layers:
             await self.artifacts.ensure_layer(digest)
         if slot is None:
@@ -326,8 +329,9 @@ class SandboxHost:
             return True
         return any(c["state"] != "TIME_WAIT" for c in conns)
 
-    async def checkpoint(self, rec: SandboxRecord, image_dir: Path) -> None:
-        """Checkpoint a running sandbox into `image_dir` and stop it.
+    async def checkpoint(self, rec: SandboxRecord, image_dir: Path, *, leave_frozen: bool = False) -> None:
+        """Checkpoint a running sandbox into `image_dir` and stop it (`leave_frozen`: where the runtime
+        can, leave it frozen for `stand_down_later` to stop; a pause answers without waiting for that).
 
         If the runtime cannot take the image and the sandbox still runs, raise Unavailable (503)
         with the reason: nothing happened. Any other error means the sandbox died on the way (the
@@ -337,6 +341,8 @@ class SandboxHost:
         rt = self.runtime_for(sid, rec.runtime)
         await self.quiesce(sid)
         kwargs = {}
+        if leave_frozen and rt.traits.may_stay_frozen:
+            kwargs["leave_frozen"] = True
         if rt.traits.resets_connections:  # gVisor >= 20240729 (VMs save TCP state with the guest kernel)
             with span("envd.connections", sid):
                 kwargs["reset_connections"] = await self.holds_connections(sid)
@@ -381,6 +387,7 @@ class SandboxHost:
         its rootfs (`keep_disk`: the upper stays readable for a restore in place), seal the upper into
         a content-addressed layer, then the memory image `image` (if any) into an artifact.
         `on_layer` runs between the two (a capture records the new layer before the slow part)."""
+        await self.settled(sandbox_id)
         with span("rootfs.unmount", sandbox_id):
             await self.rootfs.unmount(sandbox_id, keep_disk=keep_disk)
         with span("seal.upper", sandbox_id):
@@ -401,19 +408,56 @@ class SandboxHost:
 
     # ------------------------------------------------------------------ teardown
 
+    def _in_background(self, sandbox_id: str, work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(work, name=f"{what}-{sandbox_id}")
+        self._background[sandbox_id] = task
+        task.add_done_callback(lambda t: self._background.pop(sandbox_id, None)
+                               if self._background.get(sandbox_id) is t else None)
+        return task
+
+    async def settled(self, sandbox_id: str) -> None:
+        """Wait for the sandbox's stand-down or teardown in flight, if any (its errors are logged)."""
+        task = self._background.get(sandbox_id)
+        if task is not None:
+            await asyncio.gather(asyncio.shield(task), return_exceptions=True)
+
     async def teardown(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Release everything a sandbox holds; each step idempotent and independent of the others.
 
         The work runs in a task of its own: a caller cancelled meanwhile (a shutdown during a warm
         build) does not cut it short, `close` waits for it, and a second caller joins it."""
-        task = self._teardowns.get(sandbox_id)
-        if task is None:
-            task = asyncio.create_task(self._teardown(sandbox_id, recorded_runtime), name=f"teardown-{sandbox_id}")
-            self._teardowns[sandbox_id] = task
-            task.add_done_callback(lambda t: self._teardowns.pop(sandbox_id, None) if self._teardowns.get(sandbox_id) is t else None)
+        task = self._background.get(sandbox_id)
+        if task is None or not task.get_name().startswith("teardown-"):
+            task = self._in_background(sandbox_id, self._teardown(sandbox_id, recorded_runtime, after=task),
+                                       "teardown")
         await asyncio.shield(task)
 
-    async def _teardown(self, sandbox_id: str, recorded_runtime: str | None) -> None:
+    def stand_down_later(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
+        """A sandbox left frozen by its pause's checkpoint (`checkpoint(..., leave_frozen=True)`):
+        stop it, release its slot and unmount its rootfs after the pause has answered. Whatever
+        touches the sandbox next (`prepare`, `seal`, `teardown`) waits for this first."""
+        self._in_background(sandbox_id, self._stand_down(sandbox_id, recorded_runtime), "stand-down")
+
+    async def _stand_down(self, sandbox_id: str, recorded_runtime: str | None) -> None:
+        try:
+            with span("runtime.stop", sandbox_id):
+                await self.stop(sandbox_id, recorded_runtime)
+        except Exception:  # noqa: BLE001 - a resume's restore says so if the container is still there
+            log.exception("stopping the paused sandbox %s failed", sandbox_id)
+            return  # its rootfs stays mounted under the frozen container; `teardown` stops it again
+        await asyncio.gather(self.release_slot(sandbox_id), self._unmount_quietly(sandbox_id))
+
+    async def _unmount_quietly(self, sandbox_id: str) -> None:
+        try:
+            with span("rootfs.unmount", sandbox_id):
+                await self.rootfs.unmount(sandbox_id)
+        except Exception:  # noqa: BLE001
+            log.exception("rootfs unmount failed for %s", sandbox_id)
+
+    async def _teardown(self, sandbox_id: str, recorded_runtime: str | None,
+                        after: asyncio.Task[None] | None = None) -> None:
+        if after is not None:  # a stand-down in flight
+            await asyncio.gather(after, return_exceptions=True)
         await self.quiesce(sandbox_id)
         try:
             with span("runtime.stop", sandbox_id):
@@ -421,15 +465,8 @@ class SandboxHost:
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
-
-        async def unmount_rootfs() -> None:
-            try:
-                with span("rootfs.unmount", sandbox_id):
-                    await self.rootfs.unmount(sandbox_id)
-            except Exception:  # noqa: BLE001
-                log.exception("rootfs unmount failed for %s", sandbox_id)
-
-        await asyncio.gather(self.release_slot(sandbox_id), unmount_rootfs())  # independent of each other
+        # independent of each other
+        await asyncio.gather(self.release_slot(sandbox_id), self._unmount_quietly(sandbox_id))
         # The sandbox dir goes last: while it exists, `agentenv gc` after a crash knows the sandbox
         # and removes whatever of it is left (a warm-image sandbox's netns has no record to find it by).
         try:

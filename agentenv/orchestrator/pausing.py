@@ -9,6 +9,7 @@ node can resume it; that image is used once and deleted from the store after the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import shutil
 from collections.abc import Awaitable, Callable
@@ -46,8 +47,8 @@ class PauseResume:
             ckpt = host.checkpoint_dir(sandbox_id)
             shutil.rmtree(ckpt, ignore_errors=True)
             try:
-                if memory:
-                    await host.checkpoint(rec, ckpt)
+                if memory:  # kept on this node: the container goes after the pause has answered
+                    await host.checkpoint(rec, ckpt, leave_frozen=not publish)
                 else:
                     await host.quiesce(sandbox_id)
                     await host.stop(sandbox_id, rec.runtime)
@@ -56,14 +57,16 @@ class PauseResume:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise await self._lose(rec, e) from e
-            await host.release_slot(sandbox_id)
             if publish:
+                await host.release_slot(sandbox_id)
                 try:
                     await self._publish_paused(rec, memory)
                 except Exception as e:  # noqa: BLE001
                     await self._unpause_after_failed_publish(rec, e)
-            else:
-                await host.rootfs.unmount(sandbox_id)
+            elif memory:
+                host.stand_down_later(sandbox_id, rec.runtime)  # stop, release the slot, unmount
+            else:  # independent of each other
+                await asyncio.gather(host.release_slot(sandbox_id), host.rootfs.unmount(sandbox_id))
             rec.pause_mode = "full" if memory else "filesystem"
             await self.lifecycle.settle(rec, final)
         log.info("paused sandbox %s (%s)", sandbox_id, rec.pause_mode)

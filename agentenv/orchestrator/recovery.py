@@ -24,6 +24,17 @@ async def reconcile(orch: "Orchestrator") -> None:
     host, lifecycle = orch.host, orch.lifecycle
     keep: set[str] = set()
     await host.network.discover()
+    listed: set[str] | None = None
+
+    async def running_ids() -> set[str]:
+        """The containers/VMs the runtimes still know (asked once, when a paused sandbox needs it)."""
+        nonlocal listed
+        if listed is None:
+            listed = set()
+            for rt in host.runtimes.values():
+                listed.update(await rt.list_ids())
+        return listed
+
     for rec in await orch.store.list_sandboxes():
         if rec.state in (SandboxState.FORKING, SandboxState.SNAPSHOTTING):
             # a capture the old process did not finish (it records the source's new layers
@@ -58,6 +69,10 @@ async def reconcile(orch: "Orchestrator") -> None:
         elif rec.state == SandboxState.PAUSED:
             lifecycle.adopt(rec)
             keep.add(rec.sandbox_id)
+            if rec.sandbox_id in await running_ids():  # a pause's stand-down the old process did not finish
+                await host.stop_quietly(rec.sandbox_id, rec.runtime)
+            if slot is not None:
+                await host.release_slot(rec.sandbox_id)
             log.info("paused sandbox %s is resumable", rec.sandbox_id)
         elif rec.state in (SandboxState.LOST, SandboxState.RUNNING) and orch.recover_fenced is not None \
                 and orch.recover_fenced(rec):

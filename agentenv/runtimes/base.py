@@ -84,7 +84,8 @@ class Runtime(Protocol):
 
     async def checkpoint(self, sandbox_id: str, image_dir: Path, **options: bool) -> None:
         """Write memory + runtime state to image_dir. The sandbox is stopped afterwards.
-        `reset_connections=` only where `traits.resets_connections`."""
+        `reset_connections=` only where `traits.resets_connections`; `leave_frozen=` only where
+        `traits.may_stay_frozen`: it may be left frozen instead, for the caller to `stop`."""
 
     async def checkpoint_running(self, sandbox_id: str, image_dir: Path, *,
                                  while_frozen: Callable[[], Awaitable[None]], **options: bool) -> float:

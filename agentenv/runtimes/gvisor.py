@@ -201,6 +201,9 @@ class GVisorRuntime:
         self._old_runsc: bool | None = None
         self._flags_lock = asyncio.Lock()
         self._frozen_at: dict[str, float] = {}  # sandbox id -> when its capture froze it
+        # sandbox id -> the bundle it was run or restored from by this process: a capture needs its
+        # netns and console log, and asking `runsc state` costs a runsc start (~20 ms) each time.
+        self._bundles: dict[str, Path] = {}
 
     # ---------------------------------------------------------------- plumbing
 
@@ -274,19 +277,29 @@ class GVisorRuntime:
         except json.JSONDecodeError:
             return None
 
-    async def _netns_of(self, sandbox_id: str) -> str:
-        """The netns path from the running container's bundle (works after a server restart)."""
+    async def _bundle_of(self, sandbox_id: str) -> Path:
+        """The running container's bundle dir (after a server restart: from `runsc state`)."""
+        bundle = self._bundles.get(sandbox_id)
+        if bundle is not None and (bundle / "config.json").is_file():
+            return bundle
         st = await self._state(sandbox_id)
         if st is None:
             raise RuntimeFailure(f"runsc knows no container {sandbox_id}")
-        cfg = json.loads((Path(st["bundle"]) / "config.json").read_text())
+        self._bundles[sandbox_id] = bundle = Path(st["bundle"])
+        return bundle
+
+    async def _netns_and_log(self, sandbox_id: str) -> tuple[str, Path]:
+        """The netns path from the container's spec, and its console log."""
+        bundle = await self._bundle_of(sandbox_id)
+        cfg = json.loads((bundle / "config.json").read_text())
         for ns in cfg.get("linux", {}).get("namespaces", []):
             if ns.get("type") == "network" and ns.get("path"):
-                return ns["path"]
+                return ns["path"], bundle / CONSOLE_LOG
         raise RuntimeFailure(f"container {sandbox_id} has no network namespace path in its spec")
 
     def _write_bundle(self, spec: SandboxSpec) -> None:
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)
+        self._bundles[spec.sandbox_id] = spec.bundle_dir
         tmp = spec.bundle_dir / "config.json.tmp"
         tmp.write_text(json.dumps(build_oci_spec(spec), indent=2))
         tmp.replace(spec.bundle_dir / "config.json")
@@ -329,17 +342,17 @@ class GVisorRuntime:
                     f"(docs/limitations.md, upgrades): {e.message}", error_code="image_incompatible") from e
             raise
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path, *, reset_connections: bool = False) -> None:
-        """Write the sandbox's memory image to `image_dir`, then stop and delete the container.
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, *, reset_connections: bool = False,
+                         leave_frozen: bool = False) -> None:
+        """Write the sandbox's memory image to `image_dir`, then stop and delete the container
+        (`leave_frozen`: on runsc >= 20240729 it is left frozen instead; the caller stops it).
 
         On runsc >= 20240729 the sandbox is never lost here: if the checkpoint fails it is resumed
         and `CaptureRefused` says why (the sandbox runs on as before). `reset_connections`: the
         sandbox holds TCP connections; they are reset while it runs, before the image is taken.
         """
         await self._global_flags()
-        netns_path = await self._netns_of(sandbox_id)
-        st = await self._state(sandbox_id)
-        log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
+        netns_path, log_file = await self._netns_and_log(sandbox_id)
         image_dir.mkdir(parents=True, exist_ok=True)
         if not self.modern:  # old runsc: the checkpoint stops the sandbox, and a refusal kills it
             try:
@@ -349,6 +362,9 @@ class GVisorRuntime:
                 await asyncio.shield(self.stop(sandbox_id))
             return
         await self._save_frozen(sandbox_id, image_dir, reset_connections, netns_path, log_file)
+        self._frozen_at.pop(sandbox_id, None)
+        if leave_frozen:  # `runsc delete` (~0.12 s: the sandbox's memory goes) after the caller answered
+            return
         # stopped while still frozen: a thawed sandbox would change its disk after the image
         # (files it holds open renamed or deleted), and the image would not restore on that disk
         await asyncio.shield(self.stop(sandbox_id))
@@ -362,9 +378,7 @@ class GVisorRuntime:
         `runsc pause` until `runsc resume` returned), in seconds."""
         if not self.modern:
             raise CaptureRefused("this runsc cannot checkpoint a sandbox and leave it running")
-        netns_path = await self._netns_of(sandbox_id)
-        st = await self._state(sandbox_id)
-        log_file = Path(st["bundle"]) / CONSOLE_LOG if st else None
+        netns_path, log_file = await self._netns_and_log(sandbox_id)
         image_dir.mkdir(parents=True, exist_ok=True)
         await self._save_frozen(sandbox_id, image_dir, reset_connections, netns_path, log_file)
         t_image = time.monotonic()
@@ -442,6 +456,7 @@ class GVisorRuntime:
         # `delete --force` kills a running (or frozen) sandbox itself: one runsc call, not state + kill +
         # delete (each runsc call is ~20 ms of process start; a kill took 3). The slow path only runs
         # when that did not remove it.
+        self._bundles.pop(sandbox_id, None)
         res = await self._runsc("delete", "--force", sandbox_id, check=False)
         if res.returncode != 0 and await self._state(sandbox_id) is not None:
             await self._runsc("kill", sandbox_id, "KILL", check=False)
