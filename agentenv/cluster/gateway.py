@@ -430,6 +430,9 @@ async def run_gateway(settings: Settings) -> None:
 
     node_reads = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]+)/(?:metrics|logs)$")
 
+    from agentenv.cluster.builds import BuildRouter
+
+    builds = BuildRouter(orch, auth)
     events = ClusterEvents()
     tailer = EventTailer(orch, client, events)
 
@@ -441,13 +444,15 @@ async def run_gateway(settings: Settings) -> None:
             return await proxy.handle(request)
         m = node_reads.match(request.path) if request.method == "GET" else None
         fan_out = request.method == "GET" and request.path in FAN_OUT
-        if m is not None or fan_out:  # answered by the nodes that hold the metrics, logs, lineage
+        template_route = builds.matches(request)
+        if m is not None or fan_out or template_route:  # answered by nodes: metrics, logs, lineage, builds
             try:
-                await auth.authenticate(request.headers.get("X-API-KEY"))
-                if fan_out:
-                    resp = await fan_out_get(orch, client, request)
+                if template_route:
+                    resp = await builds.handle(request)
                 else:
-                    resp = await orch.forward_get(request, m.group(1))
+                    await auth.authenticate(request.headers.get("X-API-KEY"))
+                    resp = await (fan_out_get(orch, client, request) if fan_out
+                                  else orch.forward_get(request, m.group(1)))
             except AgentEnvError as e:
                 resp = _error_response(e.status, e.to_json())
                 resp.headers.update(e.headers)
