@@ -31,7 +31,7 @@ import aiohttp
 from aiohttp import web
 
 from agentenv.errors import BadRequest, Unavailable
-from agentenv.models import BuildStatus, NodeRecord, TemplateBuildRecord, rfc3339, utcnow
+from agentenv.models import BuildStatus, NodeRecord, TemplateBuildRecord, TemplateRecord, rfc3339, utcnow
 
 log = logging.getLogger("agentenv.cluster.builds")
 
@@ -42,6 +42,24 @@ _UPLOAD = re.compile(r"^/template-files/([^/]+)$")
 _START = re.compile(r"^/v2/templates/([^/]+)/builds/([^/]+)$")
 _POLL = re.compile(r"^/templates/([^/]+)/builds/([^/]+)/(?:status|logs)$")
 _RELAYED_HEADERS = ("Retry-After", "Should-Retry", "X-Next-Token", "X-Request-Id")
+
+
+async def template_build(store, name: str) -> tuple[TemplateRecord | None, TemplateBuildRecord | None]:
+    """A create's template (`name`, `name:tag` or an ID) and the build it starts from (None: not a
+    built template), for placement: the scheduler prefers nodes that cache the build's layers and
+    needs a node serving the runtime of its memory image. The node resolves it again, with checks."""
+    from agentenv.orchestrator.templates import DEFAULT_TAG, split_name
+
+    tmpl, tag = await store.get_template(name), None
+    if tmpl is None:
+        base, tag = split_name(name)
+        tmpl = await store.get_template(base) if tag is not None else None
+        if tmpl is None:
+            return None, None
+    tags = {t.tag: t.build_id for t in await store.list_tags(tmpl.template_id)}
+    build_id = tags.get(tag or DEFAULT_TAG)
+    build = await store.get_build(build_id) if build_id else None
+    return tmpl, (build if build is not None and build.status == BuildStatus.READY else None)
 
 
 class BuildRouter:

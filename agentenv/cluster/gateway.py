@@ -24,6 +24,7 @@ from typing import Any
 
 from yarl import URL
 
+from agentenv.cluster.builds import template_build
 from agentenv.cluster.internal import Client
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, Gone, Unavailable, sandbox_not_found
@@ -143,7 +144,7 @@ class ClusterOrchestrator:
         return await self.store.list_templates()
 
     async def create_sandbox(self, *, team_id: str, template: str, **kw: Any) -> SandboxRecord:
-        tmpl = await self.store.get_template(template)
+        tmpl, build = await template_build(self.store, template)
         cpu, mem, layers = self.settings.default_cpu_count, self.settings.default_memory_mb, []
         # the runtime it must run under, so that only nodes serving it are candidates (the node
         # still decides, and refuses with the reason what it cannot serve)
@@ -151,6 +152,8 @@ class ClusterOrchestrator:
         runtime = None if runtime == "auto" else runtime
         if tmpl is not None:
             cpu, mem = tmpl.cpu_count, tmpl.memory_mb
+            if build is not None:  # its memory image fixes the runtime; nodes caching its layers score better
+                cpu, mem, layers, runtime = build.cpu_count, build.memory_mb, list(build.layers), build.runtime
             runtime = runtime or tmpl.runtime
         else:
             snap = await self.store.get_snapshot(template)
@@ -432,7 +435,7 @@ async def run_gateway(settings: Settings) -> None:
 
     from agentenv.cluster.builds import BuildRouter
 
-    builds = BuildRouter(orch, auth)
+    builds = BuildRouter(orch, auth)  # template builds: to the node the scheduler picks, or that runs them
     events = ClusterEvents()
     tailer = EventTailer(orch, client, events)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 
 import pytest
 import requests
@@ -48,12 +49,14 @@ def test_template_built_through_the_gateway_starts_on_another_node(cluster, tmp_
     try:
         for n in ("b", "c"):
             cluster.drain(n)
+        t0 = time.monotonic()
         try:
             info = Template.build(template, name, cpu_count=1, memory_mb=512,
                                   on_build_logs=lambda e: logs.append(str(e.message)), **api)
         finally:
             for n in ("b", "c"):
                 cluster.drain(n, False)
+        built_s = time.monotonic() - t0
         build = build_record(cluster, info.build_id)
         assert build.spec["node"] == "a", build.spec.get("node")
         assert build.status.value == "ready" and build.layers and build.memory_digest
@@ -63,8 +66,12 @@ def test_template_built_through_the_gateway_starts_on_another_node(cluster, tmp_
         assert got.status_code == 200 and got.json()["builds"][0]["buildID"] == info.build_id, got.text
 
         cluster.drain("a")  # the template's node takes no new sandbox: it must start elsewhere
+        t0 = time.monotonic()
         sbx = Sandbox.create(name, timeout=300, request_timeout=300, **cluster.sdk_opts())
+        created_s = time.monotonic() - t0
         node, _state = bindings(cluster, {sbx.sandbox_id})[sbx.sandbox_id]
+        print(f"template built on a in {built_s:.1f}s; first sandbox from it on {node} (pulling its "
+              f"{len(build.layers)} layer(s) and memory image from S3) in {created_s:.1f}s")
         assert node in ("b", "c"), node
         assert sbx.files.read("/home/user/hello.txt") == f"copied {secret}\n"
         assert sbx.commands.run("cat /home/user/run.txt").stdout.strip() == "ran-at-build"
