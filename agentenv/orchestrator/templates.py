@@ -133,9 +133,7 @@ class TemplateService:
             return
         tags = {t.tag: t.build_id for t in await self.store.list_tags(tmpl.template_id)} if tmpl else {}
         current = await self.store.get_build(tags[DEFAULT_TAG]) if DEFAULT_TAG in tags else None
-        if current is not None and current.spec.get("recipe") == spec["recipe"] and all(
-                self.host.artifacts.layer_dir(d).is_dir() for d in current.layers) and current.memory_digest and \
-                self.host.artifacts.memory_dir(current.memory_digest).is_dir():
+        if current is not None and current.spec.get("recipe") == spec["recipe"] and await self._available(current):
             log.info("code-interpreter template is current (build %s)", current.build_id)
             return
         for digest, data in files.items():
@@ -165,6 +163,18 @@ class TemplateService:
                 if old.build_id != build.build_id:
                     await self.store.delete_build(old.build_id)
             await self._gc_artifacts()
+
+    async def _available(self, build: TemplateBuildRecord) -> bool:
+        """Its layers and memory image are on this node or (a cluster node) in the snapshot store,
+        where a create pulls them: a built-in template built and published by another node."""
+        arts = self.host.artifacts
+        if not build.memory_digest:
+            return False
+        for kind, digest, local in ([("layers", d, arts.layer_dir(d)) for d in build.layers]
+                                    + [("memory", build.memory_digest, arts.memory_dir(build.memory_digest))]):
+            if not local.is_dir() and not (self.publish and await arts.store.has_blob(kind, digest)):
+                return False
+        return True
 
     async def stop(self) -> None:
         for task in list(self._tasks.values()):
