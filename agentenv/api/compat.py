@@ -102,11 +102,12 @@ def not_supported(what: str, why: str) -> AgentEnvError:
 
 
 def template_service(orchestrator: Any) -> Any:
-    """A node's template service; a cluster gateway has none (builds and tags live on a node)."""
+    """A node's template service; a cluster gateway has none (it relays the template routes to the
+    nodes before they get here: `cluster/builds.py`)."""
     service = getattr(orchestrator, "templates", None)
     if service is None:
-        raise not_supported("Template builds and tags through the cluster gateway",
-                            "build on a node's own API (see docs/cluster.md); the gateway lists templates")
+        raise not_supported("This template route through the cluster gateway",
+                            "call a node's own API (see docs/cluster.md)")
     return service
 
 

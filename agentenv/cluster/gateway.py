@@ -24,6 +24,7 @@ from typing import Any
 
 from yarl import URL
 
+from agentenv.cluster.builds import template_build
 from agentenv.cluster.internal import Client
 from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, Gone, Unavailable, sandbox_not_found
@@ -143,7 +144,7 @@ class ClusterOrchestrator:
         return await self.store.list_templates()
 
     async def create_sandbox(self, *, team_id: str, template: str, **kw: Any) -> SandboxRecord:
-        tmpl = await self.store.get_template(template)
+        tmpl, build = await template_build(self.store, template)
         cpu, mem, layers = self.settings.default_cpu_count, self.settings.default_memory_mb, []
         # the runtime it must run under, so that only nodes serving it are candidates (the node
         # still decides, and refuses with the reason what it cannot serve)
@@ -151,6 +152,8 @@ class ClusterOrchestrator:
         runtime = None if runtime == "auto" else runtime
         if tmpl is not None:
             cpu, mem = tmpl.cpu_count, tmpl.memory_mb
+            if build is not None:  # its memory image fixes the runtime; nodes caching its layers score better
+                cpu, mem, layers, runtime = build.cpu_count, build.memory_mb, list(build.layers), build.runtime
             runtime = runtime or tmpl.runtime
         else:
             snap = await self.store.get_snapshot(template)
@@ -430,6 +433,9 @@ async def run_gateway(settings: Settings) -> None:
 
     node_reads = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]+)/(?:metrics|logs)$")
 
+    from agentenv.cluster.builds import BuildRouter
+
+    builds = BuildRouter(orch, auth)  # template builds: to the node the scheduler picks, or that runs them
     events = ClusterEvents()
     tailer = EventTailer(orch, client, events)
 
@@ -441,13 +447,15 @@ async def run_gateway(settings: Settings) -> None:
             return await proxy.handle(request)
         m = node_reads.match(request.path) if request.method == "GET" else None
         fan_out = request.method == "GET" and request.path in FAN_OUT
-        if m is not None or fan_out:  # answered by the nodes that hold the metrics, logs, lineage
+        template_route = builds.matches(request)
+        if m is not None or fan_out or template_route:  # answered by nodes: metrics, logs, lineage, builds
             try:
-                await auth.authenticate(request.headers.get("X-API-KEY"))
-                if fan_out:
-                    resp = await fan_out_get(orch, client, request)
+                if template_route:
+                    resp = await builds.handle(request)
                 else:
-                    resp = await orch.forward_get(request, m.group(1))
+                    await auth.authenticate(request.headers.get("X-API-KEY"))
+                    resp = await (fan_out_get(orch, client, request) if fan_out
+                                  else orch.forward_get(request, m.group(1)))
             except AgentEnvError as e:
                 resp = _error_response(e.status, e.to_json())
                 resp.headers.update(e.headers)

@@ -44,7 +44,7 @@ log = logging.getLogger("agentenv.cluster.scheduler")
 
 @dataclass
 class Request:
-    kind: str = "create"  # create | resume | fork
+    kind: str = "create"  # create | resume | fork | build (a template build: placed like a create)
     cpu: int = 2
     memory_mb: int = 1024
     count: int = 1

@@ -70,7 +70,9 @@ class Orchestrator:
                  artifacts: ArtifactCache, *, extra_runtimes: Iterable[Runtime] = (),
                  publish_paused: bool = False) -> None:
         """`publish_paused` (cluster nodes): a pause seals the sandbox's state into layers + a memory
-        image and uploads them to the snapshot store, so that any node can resume it."""
+        image and uploads them to the snapshot store, so that any node can resume it; a template
+        build uploads its layers and memory image before it is ready, so that any node can create
+        from it."""
         self.settings = settings
         self.store = store
         self.host = SandboxHost(settings, images, rootfs, network, runtime, artifacts, extra_runtimes=extra_runtimes)
@@ -83,7 +85,7 @@ class Orchestrator:
         self.pool = SandboxPool(settings, self.host, busy=lambda: self.admission.starting > 0 or any(
             r.state in (SandboxState.CREATING, SandboxState.RESUMING) for r in self.lifecycle.records()))
         self.snapshots = SnapshotCatalog(store, artifacts, self.gc_artifacts)
-        self.templates = TemplateService(self.host, store, self.gc_artifacts)
+        self.templates = TemplateService(self.host, store, self.gc_artifacts, publish=publish_paused)
         self.templates.on_deleted.append(self.pool.forget_template)
         self.starts = Starts(settings, store, self.host, self.lifecycle, self.admission, self.warm, self.snapshots,
                              self.templates, self.pool)

@@ -11,6 +11,11 @@ ready command to succeed, and checkpoints it: the build's result is layers + a m
 creating a sandbox from the template is a restore with the start command already running.
 A fresh sandbox (rather than the one that ran the steps) keeps the TCP connections the steps made
 (pip, apt, git) out of the checkpoint, which this gVisor release would refuse.
+
+On a cluster node (`publish`) a finished build uploads its layers and memory image to the shared
+snapshot store before it is marked ready, so a create from it on any node pulls what it lacks; the
+build records the node that holds its uploaded files and runs it (`spec["node"]`), which the
+gateway routes the build's calls to (`cluster/builds.py`).
 """
 
 from __future__ import annotations
@@ -68,8 +73,10 @@ class TemplateService:
     Build sandboxes run on the sandbox host (`host`): brought up, captured and torn down the same way
     as every other sandbox, without a record or a lifecycle state of their own."""
 
-    def __init__(self, host: "SandboxHost", store, gc_artifacts: Callable[[], Awaitable[object]]) -> None:
+    def __init__(self, host: "SandboxHost", store, gc_artifacts: Callable[[], Awaitable[object]], *,
+                 publish: bool = False) -> None:
         self.host = host
+        self.publish = publish  # cluster nodes: a ready build's artifacts go to the snapshot store
         self.store = store
         self.paths = host.paths
         self.settings = host.settings
@@ -126,9 +133,7 @@ class TemplateService:
             return
         tags = {t.tag: t.build_id for t in await self.store.list_tags(tmpl.template_id)} if tmpl else {}
         current = await self.store.get_build(tags[DEFAULT_TAG]) if DEFAULT_TAG in tags else None
-        if current is not None and current.spec.get("recipe") == spec["recipe"] and all(
-                self.host.artifacts.layer_dir(d).is_dir() for d in current.layers) and current.memory_digest and \
-                self.host.artifacts.memory_dir(current.memory_digest).is_dir():
+        if current is not None and current.spec.get("recipe") == spec["recipe"] and await self._available(current):
             log.info("code-interpreter template is current (build %s)", current.build_id)
             return
         for digest, data in files.items():
@@ -158,6 +163,18 @@ class TemplateService:
                 if old.build_id != build.build_id:
                     await self.store.delete_build(old.build_id)
             await self._gc_artifacts()
+
+    async def _available(self, build: TemplateBuildRecord) -> bool:
+        """Its layers and memory image are on this node or (a cluster node) in the snapshot store,
+        where a create pulls them: a built-in template built and published by another node."""
+        arts = self.host.artifacts
+        if not build.memory_digest:
+            return False
+        for kind, digest, local in ([("layers", d, arts.layer_dir(d)) for d in build.layers]
+                                    + [("memory", build.memory_digest, arts.memory_dir(build.memory_digest))]):
+            if not local.is_dir() and not (self.publish and await arts.store.has_blob(kind, digest)):
+                return False
+        return True
 
     async def stop(self) -> None:
         for task in list(self._tasks.values()):
@@ -238,7 +255,7 @@ class TemplateService:
         await self.store.put_template(tmpl)
         build = TemplateBuildRecord(build_id=new_build_id(), template_id=tmpl.template_id, team_id=team_id,
                                     status=BuildStatus.WAITING, cpu_count=cpu, memory_mb=mem, disk_mb=tmpl.disk_mb,
-                                    spec={"tags": all_tags})
+                                    spec={"tags": all_tags, "node": s.node_id})  # its uploads land here
         await self.store.put_build(build)
         return tmpl, build, all_tags
 
@@ -377,6 +394,12 @@ class TemplateService:
         self._pins[build.build_id] = set()
         try:
             await self.executor.execute(build, blog)
+            if self.publish:  # before it is ready: a create on another node pulls them from the store
+                blog.add("Publishing the template's layers and memory image to the snapshot store")
+                await blog.save()
+                t1 = time.monotonic()
+                await self.host.artifacts.publish_blobs(build.layers, build.memory_digest)
+                blog.add(f"Published in {time.monotonic() - t1:.1f}s")
             build.status = BuildStatus.READY
             blog.add(f"Build finished in {time.monotonic() - t0:.1f}s")
             for t in build.spec.get("tags", [DEFAULT_TAG]):

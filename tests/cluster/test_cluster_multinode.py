@@ -153,20 +153,6 @@ def _scenario(cluster, opts, created):
     assert running_on_c[0].sandbox_id not in bindings(cluster)
 
 
-def test_template_builds_through_the_gateway_are_refused_with_a_reason(cluster):
-    """The gateway has no template service yet: a typed 501, never a 500 (template listing works)."""
-    import requests
-
-    headers = {"X-API-Key": cluster.api_key}
-    base = cluster.gateway.url
-    assert requests.get(f"{base}/templates", headers=headers, timeout=30).status_code == 200
-    for method, path, body in (("POST", "/v3/templates", {"name": "gw-build", "cpuCount": 1, "memoryMB": 512}),
-                               ("GET", "/templates/base/tags", None)):
-        r = requests.request(method, base + path, json=body, headers=headers, timeout=30)
-        assert r.status_code == 501, (path, r.status_code, r.text)
-        assert r.json()["code"] == 501 and "cluster gateway" in r.json()["message"], r.text
-
-
 def test_time_travel_through_the_gateway(cluster):
     """Checkpoint, rollback, the sandbox's checkpoints and the tree are routed to the owning node."""
     from agentenv.client.timetravel import TimeTravel
