@@ -135,7 +135,8 @@ class Settings(BaseSettings):
     slot_subnet: str = "10.213.0.0/16"
     # Tag in the host-global names (netns, root-ns links, nft table) of this instance, so several
     # instances can share one host (test clusters, parallel test runs). Each needs its own slot_subnet.
-    instance: str = Field(default="", pattern=r"^[a-z0-9]{0,4}$")
+    # Not starting with "h": its links (ae<tag>h<n>) would match the untagged instance's "aeh*" rules.
+    instance: str = Field(default="", pattern=r"^([a-gi-z0-9][a-z0-9]{0,3})?$")
     allow_internet_access: bool = True
     # Destinations a sandbox never reaches (private ranges, CGNAT, link-local/metadata, ...; see
     # agentenv.network.policy) except these CIDRs, opened to every sandbox of the node. JSON list in
