@@ -281,13 +281,17 @@ class ProcessManager:
         try:
             await proto.exited.wait()
             # Deliver output still in flight, but don't wait for EOF that a background child may hold.
+            # The exit is often seen before the pipes' EOF: wake on that EOF, not after a fixed sleep.
             deadline = loop.time() + OUTPUT_DRAIN_MAX
-            while loop.time() < deadline:
-                if proto.pipes_done.is_set() and (pty_reader is None or pty_reader.done()):
-                    break
-                await asyncio.sleep(OUTPUT_QUIET)
-                if time.monotonic() - proto.last_data >= OUTPUT_QUIET:
-                    break
+            eof = loop.create_task(proto.pipes_done.wait())
+            drained: set[asyncio.Future] = {eof} if pty_reader is None else {eof, pty_reader}
+            try:
+                while loop.time() < deadline:
+                    _, pending = await asyncio.wait(drained, timeout=OUTPUT_QUIET)
+                    if not pending or time.monotonic() - proto.last_data >= OUTPUT_QUIET:
+                        break
+            finally:
+                eof.cancel()
         finally:
             if timer:
                 timer.cancel()
