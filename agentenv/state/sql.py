@@ -371,7 +371,9 @@ class SQLStateStore:
             r.team_id == team_id, r.created_at > cutoff, r.node_id.not_in(dead),
             or_(r.sandbox_id.is_(None), r.sandbox_id.not_in(counted)))
         records = select(func.count()).select_from(counted.subquery())
-        return int(await conn.scalar(records)) + int(await conn.scalar(pending))
+        # One statement, so one snapshot (PostgreSQL's READ COMMITTED takes one per statement): a
+        # start committing its record between two statements would be counted by neither.
+        return int(await conn.scalar(select(records.scalar_subquery() + pending.scalar_subquery())))
 
     # nodes --------------------------------------------------------------------------------------
 

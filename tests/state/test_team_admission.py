@@ -113,3 +113,33 @@ async def test_a_crashed_nodes_reservations_do_not_leak(store):
     assert list(await store.expire_nodes(10)) == ["n2"]
     assert await store.team_active(TEAM) == 0
     assert await store.clear_reservations("n2") == 0
+
+
+async def test_concurrent_starts_never_exceed_the_quota(make_store):
+    """Admissions racing with other starts writing their records (bind, CREATING, RUNNING, release):
+    each start is counted exactly once at every moment, so no more than the quota ever run."""
+    stores = await _nodes(make_store, 3)
+    limit, tries = 3, 24
+
+    async def start(i: int) -> bool:
+        store, node = stores[i % 3], f"n{i % 3}"
+        ids, _ = await store.reserve_team(TEAM, node, 1, limit)
+        if not ids:
+            return False
+        rec = sandbox(200 + i, team_id=TEAM, node_id=node, state=SandboxState.CREATING)
+        await store.bind_reservation(ids[0], rec.sandbox_id)
+        await store.put_sandbox_of(rec, node)
+        rec.state = SandboxState.RUNNING
+        await store.put_sandbox_of(rec, node)
+        await store.release_reservations(ids)
+        return True
+
+    try:
+        for _round in range(3):  # each round: kill what runs, then a burst again
+            started = await asyncio.gather(*(start(i) for i in range(tries)))
+            running = await stores[0].list_sandboxes(team_id=TEAM, states=[SandboxState.RUNNING])
+            assert sum(started) == len(running) == limit, (sum(started), len(running))
+            for rec in running:
+                await stores[0].delete_sandbox(rec.sandbox_id)
+    finally:
+        await _close(stores)
