@@ -8,6 +8,7 @@ RateLimitException (429 `team_sandbox_limit`). Killing one admits exactly one mo
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import time
@@ -15,6 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from e2b import RateLimitException, Sandbox
+from sqlalchemy import text
+
+from agentenv.state.postgres import PostgresStateStore
 
 from serverproc import agentenv_executable
 from test_cluster_multinode import bindings
@@ -27,25 +31,22 @@ TRIES = 20
 
 def _cli(cluster, *args: str) -> str:
     """The operator's CLI on the cluster's PostgreSQL (teams and keys live there)."""
-    env = {**os.environ, "AGENTENV_DATABASE_URL": cluster.database_url, "AGENTENV_DATA_DIR": str(cluster.work / "cli")}
+    env = {**os.environ, "AGENTENV_DATABASE_URL": cluster.database_url,
+           "AGENTENV_DATA_DIR": str(cluster.work / "cli")}
     out = subprocess.run([agentenv_executable(), *args], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
 
-def _reservations(cluster) -> list:
-    import asyncio
-
-    from sqlalchemy import text
-
-    from agentenv.state.postgres import PostgresStateStore
-
+def _reservations(cluster, team: str) -> list:
+    """The team's rows in the shared store's team_reservations."""
     async def go():
         s = PostgresStateStore(cluster.database_url, max_size=1)
         await s.open()
         try:
             async with s.engine.connect() as conn:
-                return [tuple(r) for r in (await conn.execute(text("SELECT * FROM team_reservations")))]
+                rows = await conn.execute(text("SELECT * FROM team_reservations WHERE team_id = :t"), {"t": team})
+                return [tuple(r) for r in rows]
         finally:
             await s.close()
 
@@ -94,7 +95,8 @@ def _scenario(cluster, opts: dict, made: list[Sandbox]) -> None:
     # the refusals came from the nodes the scheduler placed them on, and every admitted one runs
     assert all(state == "running" for _node, state in where.values())
     assert made[0].commands.run("echo up").stdout == "up\n"
-    print("reservations after the burst:", _reservations(cluster))
+    # every admission released its reservation (the refused ones never kept one)
+    assert _reservations(cluster, "quota3") == []
 
     # a kill frees one place: exactly one of the next concurrent creates is admitted
     made.pop(0).kill()
