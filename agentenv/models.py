@@ -46,6 +46,12 @@ class SandboxState(str, enum.Enum):
 SURVIVES_NODE_LOSS: frozenset[SandboxState] = frozenset({SandboxState.PAUSED})
 
 
+# States whose sandboxes do not count against their team's concurrent-sandbox quota (every other
+# state does: a start's record stands for it). Here because the state stores count them too.
+QUOTA_EXEMPT: frozenset[SandboxState] = frozenset({
+    SandboxState.PAUSED, SandboxState.KILLED, SandboxState.KILLING, SandboxState.FAILED, SandboxState.LOST})
+
+
 def after_node_loss(state: SandboxState, published: bool) -> SandboxState:
     return state if state in SURVIVES_NODE_LOSS and published else SandboxState.LOST
 

@@ -21,7 +21,7 @@ from agentenv.cluster import codec
 from agentenv.cluster.fence import Fence
 from agentenv.cluster.internal import Client, cluster_auth, error_response
 from agentenv.config import Settings
-from agentenv.errors import AgentEnvError
+from agentenv.errors import AgentEnvError, Unavailable
 from agentenv.orchestrator import operations
 from agentenv.models import NodeRecord, SandboxRecord, SandboxState, utcnow
 
@@ -58,6 +58,14 @@ class NodeScopedStore:
     async def list_sandboxes(self, *, team_id: str | None = None, states: list[SandboxState] | None = None,
                              node_id: str | None = None) -> list[SandboxRecord]:
         return await self.inner.list_sandboxes(team_id=team_id, states=states, node_id=self.node_id)
+
+    async def reserve_team(self, team_id: str, node_id: str, n: int, limit: int) -> tuple[list[str], int]:
+        if self.fenced:  # it answers nothing while fenced; a start racing the fence must not be admitted
+            raise Unavailable(f"node {self.node_id} is fenced", error_code="node_fenced", headers={"Retry-After": "2"})
+        return await self.inner.reserve_team(team_id, self.node_id, n, limit)
+
+    async def clear_reservations(self, node_id: str) -> int:
+        return await self.inner.clear_reservations(self.node_id)
 
     async def claim_sandbox(self, sandbox_id: str, from_node: str) -> bool:
         return await self.inner.claim_sandbox(sandbox_id, from_node, self.node_id)

@@ -142,7 +142,8 @@ class PauseResume:
     async def resume_admitted(self, rec: SandboxRecord, timeout: int) -> None:
         host = self.host
         before, final = self.lifecycle.begin(rec, "resume")
-        self.admission.bind()  # the resuming record counts from here on
+        reservation = self.admission.bind()  # the resuming record counts here from now on
+        await self.admission.bind_shared(reservation, rec.sandbox_id)  # in the store: once it is RUNNING
         ckpt = host.checkpoint_dir(rec.sandbox_id)
         full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
         pinned = rec.memory_digest if rec.pause_mode != "filesystem" else None

@@ -23,6 +23,10 @@ async def reconcile(orch: "Orchestrator") -> None:
     """Re-adopt sandboxes still alive after a server restart; tear down everything else."""
     host, lifecycle = orch.host, orch.lifecycle
     keep: set[str] = set()
+    try:  # no start of this node is in flight yet: its team reservations of a previous run go
+        await orch.admission.clear()
+    except Exception as e:  # noqa: BLE001 - they stop counting when this node is declared dead, or expire
+        log.warning("could not clear this node's old team reservations: %s", e)
     await host.network.discover()
     listed: set[str] | None = None
 

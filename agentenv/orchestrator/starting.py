@@ -208,7 +208,8 @@ class Starts:
         brings it up instead, e.g. /init of a pooled sandbox); all or nothing."""
         async with self.lifecycle.lock(rec.sandbox_id):
             self.lifecycle.enter(rec)
-            self.admission.bind()
+            reservation = self.admission.bind()
+            await self.admission.bind_shared(reservation, rec.sandbox_id)
             await self.lifecycle.persist(rec)
             try:
                 if bring is not None:
@@ -220,7 +221,7 @@ class Starts:
                 log.error("start of %s failed: %s", rec.sandbox_id, e)
                 self.host.keep_logs(rec.sandbox_id, "failed")  # the runtime's console/VMM logs say why
                 self.lifecycle.fail(rec)
-                self.admission.unbind()
+                self.admission.unbind(reservation)
                 await asyncio.shield(self.host.teardown(rec.sandbox_id, rec.runtime))
                 await asyncio.shield(self.store.delete_sandbox(rec.sandbox_id))
                 if isinstance(e, AgentEnvError):

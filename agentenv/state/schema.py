@@ -184,6 +184,21 @@ nodes = Table(
     Column("started_at", UTCDateTime, nullable=False),
 )
 
+# Team-quota reservations (revision 0003): a start (create, resume, fork child) admitted against its
+# team's concurrent-sandbox limit and not yet counted by its record. `sandbox_id` is set once the start
+# knows its sandbox: from then on the reservation does not count while that sandbox's record does, so
+# nothing is counted twice. Reservations of a dead node, or older than the store's TTL, do not count.
+team_reservations = Table(
+    "team_reservations", metadata,
+    Column("reservation_id", Text, primary_key=True),
+    Column("team_id", Text, nullable=False),
+    Column("node_id", Text, nullable=False),
+    Column("sandbox_id", Text),
+    Column("created_at", UTCDateTime, nullable=False),
+    Index("team_reservations_team", "team_id"),
+    Index("team_reservations_node", "node_id"),
+)
+
 # The hand-written stores' version counter, kept as a tombstone: Alembic's `alembic_version` is the
 # schema's version now, and LEGACY_VERSION (above what any hand-written store knew) makes an old
 # agentenv refuse the database ("newer than this agentenv supports") instead of touching it.

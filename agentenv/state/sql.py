@@ -13,6 +13,8 @@ other processes (the CLI) read while the server writes. PostgreSQL (asyncpg): a 
 from __future__ import annotations
 
 import json
+import uuid
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -22,13 +24,22 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.sql import ColumnElement, Executable
 
-from agentenv.models import (SURVIVES_NODE_LOSS, ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState,
+from agentenv.models import (QUOTA_EXEMPT, SURVIVES_NODE_LOSS, ApiKeyRecord, NodeRecord, SandboxRecord, SandboxState,
                              SnapshotRecord, TeamRecord, TemplateBuildRecord, TemplateRecord, TemplateTag, utcnow)
 from agentenv.state import migrate, rows
-from agentenv.state.schema import (api_keys, build_cache, nodes, sandboxes, snapshots, teams, template_builds,
-                                   template_tags, templates)
+from agentenv.state.schema import (api_keys, build_cache, nodes, sandboxes, snapshots, team_reservations, teams,
+                                   template_builds, template_tags, templates)
 
 _SWEEP_LOCK = 0x61676E7400000002
+_TEAM_LOCK_CLASS = 0x61676E74  # pg_advisory_xact_lock(class, hash of the team id): one team's admissions
+# A reservation still unsettled after this long no longer counts (a safety net: a node's reservations
+# go when it restarts or is declared dead, and each start releases its own when it settles).
+RESERVATION_TTL_S = 3600.0
+
+
+class _OverQuota(Exception):
+    def __init__(self, active: int) -> None:
+        self.active = active
 
 
 def _json_contains(col: ColumnElement, value: str) -> ColumnElement:
@@ -297,6 +308,73 @@ class SQLStateStore:
     async def delete_snapshot(self, snapshot_id: str) -> None:
         await self._write(delete(snapshots).where(snapshots.c.snapshot_id == snapshot_id))
 
+    # team-quota reservations (cluster-wide admission) --------------------------------------------
+
+    async def reserve_team(self, team_id: str, node_id: str, n: int, limit: int) -> tuple[list[str], int]:
+        """Admit `n` more sandboxes of `team_id` against `limit` concurrent ones, counted over every
+        node: ([reservation ids], active before) when they fit, ([], active) when they do not. One
+        transaction under a per-team lock (PostgreSQL: an advisory lock; SQLite: the write lock the
+        insert takes first), so concurrent admissions on any node never both take the last place."""
+        if n < 1:
+            raise ValueError(f"reserve_team: n must be at least 1, not {n}")
+        now = utcnow()
+        ids = [uuid.uuid4().hex for _ in range(n)]
+        try:
+            async with self.engine.begin() as conn:
+                await self._team_lock(conn, team_id)
+                await conn.execute(team_reservations.insert(), [
+                    {"reservation_id": rid, "team_id": team_id, "node_id": node_id, "sandbox_id": None,
+                     "created_at": now} for rid in ids])
+                active = await self._team_active(conn, team_id) - n
+                if active + n > limit:
+                    raise _OverQuota(active)  # rolls the inserts back
+        except _OverQuota as e:
+            return [], e.active
+        return ids, active
+
+    async def bind_reservation(self, reservation_id: str, sandbox_id: str) -> None:
+        """The start holding this reservation is `sandbox_id`: once that sandbox's record counts
+        against the quota, the reservation no longer does."""
+        await self._write(update(team_reservations).where(team_reservations.c.reservation_id == reservation_id)
+                          .values(sandbox_id=sandbox_id))
+
+    async def release_reservations(self, reservation_ids: Sequence[str]) -> None:
+        if reservation_ids:
+            await self._write(delete(team_reservations)
+                              .where(team_reservations.c.reservation_id.in_(list(reservation_ids))))
+
+    async def clear_reservations(self, node_id: str) -> int:
+        """Every reservation of `node_id` (a node starting: none of its starts is in flight)."""
+        return await self._write(delete(team_reservations).where(team_reservations.c.node_id == node_id))
+
+    async def team_active(self, team_id: str) -> int:
+        """The team's sandboxes counted against its quota on every node: records not quota-exempt,
+        plus reservations of starts not counted by a record yet."""
+        async with self.engine.connect() as conn:
+            return await self._team_active(conn, team_id)
+
+    async def _team_lock(self, conn: AsyncConnection, team_id: str) -> None:
+        if self.dialect == "postgresql":
+            key = zlib.crc32(team_id.encode()) - (1 << 31)  # a signed int4
+            await conn.execute(select(func.pg_advisory_xact_lock(_TEAM_LOCK_CLASS, key)))
+
+    async def _team_active(self, conn: AsyncConnection, team_id: str) -> int:
+        exempt = [s.value for s in QUOTA_EXEMPT]
+        counted = select(sandboxes.c.sandbox_id).where(sandboxes.c.team_id == team_id,
+                                                       sandboxes.c.state.not_in(exempt))
+        age = timedelta(seconds=RESERVATION_TTL_S)
+        cutoff = (func.now() - bindparam("ttl", age, type_=Interval())) if self.dialect == "postgresql" \
+            else utcnow() - age
+        dead = select(nodes.c.node_id).where(nodes.c.state == "dead")
+        r = team_reservations.c
+        pending = select(func.count()).select_from(team_reservations).where(
+            r.team_id == team_id, r.created_at > cutoff, r.node_id.not_in(dead),
+            or_(r.sandbox_id.is_(None), r.sandbox_id.not_in(counted)))
+        records = select(func.count()).select_from(counted.subquery())
+        # One statement, so one snapshot (PostgreSQL's READ COMMITTED takes one per statement): a
+        # start committing its record between two statements would be counted by neither.
+        return int(await conn.scalar(select(records.scalar_subquery() + pending.scalar_subquery())))
+
     # nodes --------------------------------------------------------------------------------------
 
     async def put_node(self, rec: NodeRecord) -> str:
@@ -331,7 +409,10 @@ class SQLStateStore:
                 update(nodes).where(nodes.c.state != "dead", nodes.c.heartbeat_at < cutoff,
                                     nodes.c.node_id.not_in(list(spare)))
                 .values(state="dead").returning(nodes.c.node_id))
-            return {n: await self._lose_sandboxes(conn, n) for n in dead.scalars().all()}
+            lost = {n: await self._lose_sandboxes(conn, n) for n in dead.scalars().all()}
+            if lost:  # its starts in flight died with it: their team-quota reservations go too
+                await conn.execute(delete(team_reservations).where(team_reservations.c.node_id.in_(list(lost))))
+            return lost
 
     async def _sweep_lock(self, conn: AsyncConnection) -> bool:
         if self.dialect != "postgresql":
