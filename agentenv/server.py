@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,6 +213,19 @@ async def wait_for_stop_signal() -> None:
     await stop.wait()
 
 
+def on_reload_signal(callback: Callable[[], None]) -> None:
+    """Run `callback` in the loop when SIGHUP reaches this process (not a forked helper)."""
+    loop = asyncio.get_running_loop()
+    server_pid = os.getpid()
+
+    def on_signal(signum, _frame) -> None:
+        if os.getpid() == server_pid:
+            log.info("received SIGHUP: reloading the TLS certificate")
+            loop.call_soon_threadsafe(callback)
+
+    signal.signal(signal.SIGHUP, on_signal)
+
+
 async def serve(settings: Settings, *, progress=None) -> None:
     from agentenv.proxy import LISTENER_OPTIONS
     from agentenv.runtimes._reaper import become_subreaper, reap_forever
@@ -225,6 +239,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
     runner: web.AppRunner | None = None
     site: web.BaseSite | None = None
     data_plane = None
+    cert_watch = None
     started = False
     try:
         # Images first: the first create must not pay for a debootstrap.
@@ -249,6 +264,12 @@ async def serve(settings: Settings, *, progress=None) -> None:
                 site = None
                 raise StartupError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e} "
                                    "(set AGENTENV_PORT / --port to another port)") from e
+        if data_plane is not None and chosen.tls is not None:
+            from agentenv.proxy.dataplane import CertificateWatch
+
+            cert_watch = CertificateWatch(settings, data_plane, chosen.tls.pem)
+            cert_watch.start()
+            on_reload_signal(cert_watch.poke)
         log.info("data plane: %s", chosen.reason)
         _print_banner(settings, api_key, chosen.tls.ca if chosen.tls else None)
 
@@ -257,6 +278,8 @@ async def serve(settings: Settings, *, progress=None) -> None:
         # Runs on every exit, including a failed start: an unclosed store would keep its worker
         # thread alive and the process would never exit.
         log.info("shutting down")
+        if cert_watch is not None:
+            await cert_watch.stop()
         if data_plane is not None:
             await data_plane.stop()
         if site is not None:

@@ -155,3 +155,59 @@ async def stop_leftover(settings: Settings) -> list[str]:
         await dp.stop_leftover()
     shutil.rmtree(dp.layout.sock_dir, ignore_errors=True)
     return [str(pid)] if pid is not None else []
+
+
+class CertificateWatch:
+    """Keeps HAProxy's certificate current while the server runs: `tls.prepare` again every
+    `interval` seconds and on `poke()` (SIGHUP), and a PEM that changed goes to HAProxy without a
+    reload (an operator's renewed certificate, e.g. certbot's; the local CA's leaf near expiry).
+    A pair that does not match (a renewal caught half-way) is logged and tried again later; the
+    served certificate stays as it was."""
+
+    def __init__(self, settings: Settings, dp: DataPlane, pem: Path, interval: float = 60.0) -> None:
+        self._settings = settings
+        self._dp = dp
+        self._pem = pem
+        self._interval = interval
+        self._poked = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._served = pem.read_bytes() if pem.exists() else b""  # what HAProxy has
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="tls-certificate-watch")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def poke(self) -> None:
+        self._poked.set()
+
+    async def check(self) -> bool:
+        """Re-read the certificate; whether HAProxy was given a new one."""
+        s = self._settings
+        try:
+            await asyncio.to_thread(prepare, s.data_dir / "tls", s.domain or "", s.tls_cert, s.tls_key)
+        except (OSError, ValueError) as e:
+            log.warning("TLS certificate not reloaded: %s (HAProxy keeps serving the previous one)", e)
+            return False
+        pem = self._pem.read_bytes()
+        if pem == self._served:
+            return False
+        await self._dp.install_certificate()
+        self._served = pem
+        log.info("TLS certificate reloaded into haproxy (%s)", s.tls_cert or self._pem)
+        return True
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._poked.wait(), self._interval)
+            except asyncio.TimeoutError:
+                pass
+            self._poked.clear()
+            try:
+                await self.check()
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.exception("TLS certificate reload failed")

@@ -26,6 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from agentenv.errors import RuntimeFailure
 from agentenv.proc import CommandError, run_cmd, run_streamed
 from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, HaproxyLayout, render
 
@@ -86,9 +87,13 @@ class RuntimeApi:
         return outputs
 
     async def _line(self, commands: list[str]) -> list[str]:
+        return await self.send(";".join(commands) + "\n")
+
+    async def send(self, text: str) -> list[str]:
+        """One request as it is (e.g. a command with a `<<` payload), on a connection of its own."""
         reader, writer = await asyncio.open_unix_connection(str(self._path))
         try:
-            writer.write((";".join(commands) + "\n").encode())
+            writer.write(text.encode())
             await writer.drain()
             out = await asyncio.wait_for(reader.read(), 30)
         finally:
@@ -379,6 +384,21 @@ class DataPlane:
                 stats[row["pxname"]] = {k: int(row.get(k) or 0) for k in (
                     "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "bin", "bout")}
         return stats
+
+    async def install_certificate(self) -> None:
+        """Hand HAProxy the certificate file's current content without a reload (`set ssl cert` +
+        `commit ssl cert` on its runtime API): new TLS handshakes use it, open connections go on."""
+        if self._cert is None or self.pid() is None:
+            return  # no HTTPS, or HAProxy is restarting and reads the file itself
+        name = str(self._cert)
+        payload = self._cert.read_text().strip("\n")
+        out = "".join(await self.api.send(f"set ssl cert {name} <<\n{payload}\n\n"))
+        if "Transaction" not in out:
+            raise RuntimeFailure(f"haproxy refused the new certificate: {out.strip()[:300]}")
+        out = "".join(await self.api.send(f"commit ssl cert {name}\n"))
+        if "Success" not in out:
+            await self.api.send(f"abort ssl cert {name}\n")
+            raise RuntimeFailure(f"haproxy could not commit the new certificate: {out.strip()[:300]}")
 
     async def leave_fast_path(self, sandbox_id: str) -> None:
         """A sandbox is about to stop: its routes leave the maps (events bring them back)."""

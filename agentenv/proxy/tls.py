@@ -6,7 +6,9 @@ start a local CA (`<data_dir>/tls/ca.pem`, its key next to it, mode 600) and a c
 `<domain>` and `*.<domain>` signed by it, renewed when the domain changes or it nears expiry. Clients
 trust `ca.pem` (SSL_CERT_FILE, NODE_EXTRA_CA_CERTS, curl --cacert, the OS store).
 
-HAProxy reads one PEM with the chain and the key (`haproxy.pem`).
+HAProxy reads one PEM with the chain and the key (`haproxy.pem`). `prepare` runs again while the
+server runs (`dataplane.CertificateWatch`: every minute and on SIGHUP), and a PEM that changed (a
+renewed operator certificate, a local leaf near expiry) goes to HAProxy through its runtime API.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def prepare(tls_dir: Path, domain: str, cert: Path | None = None, key: Path | No
     if cert is not None or key is not None:
         if cert is None or key is None:
             raise ValueError("tls_cert and tls_key go together")
-        pki.write_private(pem, cert.read_bytes().rstrip(b"\n") + b"\n" + key.read_bytes())
+        chain, private = cert.read_bytes(), key.read_bytes()
+        _check_pair(chain, private, cert, key)  # e.g. a renewal caught between its two files
+        pki.write_private(pem, chain.rstrip(b"\n") + b"\n" + private)
         return TlsFiles(pem, None)
     ca_pem, ca_key = tls_dir / "ca.pem", tls_dir / "ca.key"
     if not (ca_pem.exists() and ca_key.exists()):
@@ -46,6 +50,22 @@ def prepare(tls_dir: Path, domain: str, cert: Path | None = None, key: Path | No
         _new_leaf(ca_pem, ca_key, leaf, leaf_key, domain)
     pki.write_private(pem, leaf.read_bytes() + ca_pem.read_bytes() + leaf_key.read_bytes())
     return TlsFiles(pem, ca_pem)
+
+
+def _check_pair(chain: bytes, private: bytes, cert: Path, key: Path) -> None:
+    """The chain's first certificate must be the key's (ValueError with the files' names if not)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    try:
+        leaf = x509.load_pem_x509_certificate(chain)
+        key_obj = serialization.load_pem_private_key(private, password=None)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"cannot read {cert} / {key}: {e}") from e
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    if leaf.public_key().public_bytes(serialization.Encoding.DER, spki) != \
+            key_obj.public_key().public_bytes(serialization.Encoding.DER, spki):
+        raise ValueError(f"the certificate {cert} does not belong to the key {key}")
 
 
 def _names(domain: str) -> list:

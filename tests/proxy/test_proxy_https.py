@@ -17,6 +17,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -280,3 +281,46 @@ def test_private_sandbox_refuses_a_request_without_its_token(tls_env) -> None:
         assert "e2b-traffic-access-token" not in headers
     finally:
         sbx.kill()
+
+
+def served_certificate(srv: ExtraServer, resolver: Resolver, ca: Path) -> str:
+    """sha256 of the certificate a fresh handshake with api.<domain> gets (verified against `ca`)."""
+    import socket
+    import ssl
+
+    addr = srv.env["AGENTENV_HTTPS_BIND"].rsplit(":", 1)[0]
+    ctx = ssl.create_default_context(cafile=str(ca))
+    with socket.create_connection((addr, 443), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=f"api.{resolver.domain}") as tls:
+            return hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest()
+
+
+def file_certificate(path: Path) -> str:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    return hashlib.sha256(x509.load_pem_x509_certificate(path.read_bytes()).public_bytes(Encoding.DER)).hexdigest()
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(tls_env) -> None:
+    """SIGHUP (or the minute's check) hands HAProxy a certificate that changed on disk, here the
+    local CA's leaf made anew; HAProxy is not restarted and HTTPS keeps working."""
+    from test_data_plane import haproxy_pids
+
+    srv, resolver, ca = tls_env
+    leaf = srv.data_dir / "tls" / "server.pem"
+    before = served_certificate(srv, resolver, ca)
+    assert before == file_certificate(leaf)
+    haproxy_before = haproxy_pids(srv.data_dir)
+    leaf.unlink()  # as if it neared expiry: the next check signs a new one
+    os.kill(srv.pid, signal.SIGHUP)
+    deadline = time.monotonic() + 20
+    while (now := served_certificate(srv, resolver, ca)) == before:
+        assert time.monotonic() < deadline, srv.log_tail()
+        time.sleep(0.2)
+    assert now == file_certificate(leaf)
+    assert haproxy_pids(srv.data_dir) == haproxy_before, "haproxy was restarted"
+    assert srv.alive()
+    r = curl(resolver, ca, "-o", "/dev/null", "-w", "%{http_code}", f"https://api.{resolver.domain}/health")
+    assert r.stdout == "200", r.stderr
+    assert "TLS certificate reloaded" in srv.log_path.read_text()
