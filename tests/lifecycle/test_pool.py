@@ -8,6 +8,8 @@ the disabled pool: every other test creates through it). What is observed from o
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import time
 from datetime import datetime, timezone
 
@@ -15,7 +17,7 @@ import pytest
 import requests
 from e2b import Sandbox, Template
 
-from leftovers import runsc_containers
+from leftovers import runsc_containers, runsc_root
 from serverproc import new_data_dir, remove_data_dir, run_gc, start_extra_server
 
 pytestmark = pytest.mark.timeout(600)
@@ -107,6 +109,37 @@ def test_a_burst_empties_the_pool_and_creates_go_on_the_ordinary_way(pool_server
     finally:
         for sbx in boxes:
             sbx.kill()
+
+
+def test_a_pooled_sandbox_that_died_is_replaced_by_an_ordinary_start(pool_server):
+    """Pooled sandboxes killed behind the server's back: the create that takes one still answers
+    with a working sandbox (started the ordinary way, same id), and nothing of the dead one is left."""
+    srv = pool_server
+    opts = srv.sdk_opts()
+    _wait(lambda: _ready(srv) >= SIZE, "a full pool")
+    running = {s.sandbox_id for s in Sandbox.list(**opts).next_items()}
+    pooled = [c for c in runsc_containers(srv.data_dir) if c not in running]
+    assert len(pooled) >= SIZE, pooled
+    runsc = shutil.which("runsc")
+    for sid in pooled:
+        subprocess.run([runsc, f"--root={runsc_root(srv.data_dir)}", "kill", sid, "KILL"], check=True, timeout=60)
+    _wait(lambda: all(not _alive(srv, sid) for sid in pooled), "the pooled sandboxes to die", 30)
+    taken = _taken(srv)
+    sbx = Sandbox.create(envs={"K": "after"}, timeout=120, **opts)
+    try:
+        srv.known_ids.add(sbx.sandbox_id)
+        assert _taken(srv) == taken + 1 and sbx.sandbox_id in pooled  # it took a dead one...
+        assert sbx.commands.run("echo $K").stdout == "after\n"  # ...and works
+        sbx.files.write("/home/user/f", "x")
+        assert sbx.files.read("/home/user/f") == "x"
+    finally:
+        sbx.kill()
+
+
+def _alive(srv, sid: str) -> bool:
+    r = subprocess.run([shutil.which("runsc"), f"--root={runsc_root(srv.data_dir)}", "state", sid],
+                       capture_output=True, text=True, timeout=60)
+    return r.returncode == 0 and '"running"' in r.stdout
 
 
 def test_a_create_with_egress_rules_bypasses_the_pool(pool_server):
