@@ -175,6 +175,17 @@ class ExtraServer:
         return frozenset(ignore)
 
 
+def stop_unchecked(*servers: "ExtraServer | None") -> None:
+    """For a test's `finally`: stop whatever of `servers` still runs, without the leftovers check
+    (the test failed already; the next `agentenv gc` of the data dir removes the rest)."""
+    for srv in servers:
+        if srv is not None and not srv.stopped:
+            try:
+                srv.stop(check_leftovers=False)
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:
     """SIGTERM a server, wait, SIGKILL its process group if needed. Returns problems seen."""
     problems: list[str] = []

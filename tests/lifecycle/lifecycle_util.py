@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from e2b import Sandbox
@@ -154,3 +156,23 @@ def kill_quietly(sbx) -> None:
         sbx.kill()
     except Exception:  # noqa: BLE001
         pass
+
+
+# runsc whose `delete` takes 3 s and is dropped when the server that asked for it died meanwhile: a
+# teardown or a pause's stand-down is then still running when the test's next step comes.
+SLOW_DELETE_RUNSC = """#!/bin/sh
+for a in "$@"; do
+  if [ "$a" = delete ]; then sleep 3; kill -0 $PPID 2>/dev/null || exit 1; break; fi
+done
+exec {real} "$@"
+"""
+
+
+def slow_delete_runsc(where: Path) -> Path:
+    """Write the slow-`delete` runsc wrapper into the directory `where`; its path (AGENTENV_RUNSC_PATH)."""
+    real = shutil.which("runsc")
+    assert real, "runsc not installed"
+    wrapper = where / "runsc-slow-delete"
+    wrapper.write_text(SLOW_DELETE_RUNSC.format(real=real))
+    wrapper.chmod(0o755)
+    return wrapper

@@ -40,7 +40,7 @@ from e2b import Sandbox, SandboxState
 
 from lifecycle_util import WORK, WorkerState, ask_worker, assert_same_worker, setup_worker
 from s3server import S3Server, rclone_binary, start_s3
-from serverproc import ExtraServer, new_api_key, new_data_dir, remove_data_dir, start_extra_server
+from serverproc import ExtraServer, new_api_key, new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 TIMEOUT_S = 900
 MARKER = "written before the fault\n"
@@ -494,12 +494,7 @@ def test_server_killed_mid_fork_keeps_source(server, when):
         second = None
         assert not problems, problems
     finally:
-        for srv in (second, first):
-            if srv is not None and not srv.stopped:
-                try:
-                    srv.stop(check_leftovers=False)
-                except Exception:  # noqa: BLE001
-                    pass
+        stop_unchecked(second, first)
         if pgid is not None:
             _kill_group(pgid)
         remove_data_dir(d)

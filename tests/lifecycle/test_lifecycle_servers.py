@@ -21,7 +21,7 @@ from e2b import Sandbox, SandboxState
 from leftovers import runsc_containers
 from lifecycle_util import WORK, ask_worker, assert_same_worker, read_state, setup_worker
 from s3server import start_s3
-from serverproc import new_api_key, new_data_dir, remove_data_dir, start_extra_server
+from serverproc import new_api_key, new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 TIMEOUT_S = 900
 
@@ -114,12 +114,7 @@ def test_server_kill9_then_restart_keeps_paused_sandbox_and_snapshots(server):
         left = _group_members(crashed_pgid)
         assert not left, f"processes of the crashed server still alive after restart + shutdown + gc: {left}"
     finally:
-        for srv in (second, first):
-            if srv is not None and not srv.stopped:
-                try:
-                    srv.stop(check_leftovers=False)
-                except Exception:  # noqa: BLE001
-                    pass
+        stop_unchecked(second, first)
         if crashed_pgid is not None:
             _kill_group(crashed_pgid)
         remove_data_dir(d)

@@ -11,6 +11,7 @@ import pytest
 from e2b import Sandbox
 
 from leftovers import NETNS_PREFIX, agentenv_netns
+from lifecycle_util import slow_delete_runsc
 from serverproc import new_data_dir, remove_data_dir, start_extra_server
 
 
@@ -73,14 +74,6 @@ def test_creates_restore_the_warm_image_and_fall_back_when_it_is_lost(server):
         d.kill()
 
 
-# runsc whose `delete` takes 3 s: a sandbox's teardown is then still running when the server is
-# told to stop (and a shutdown that does not wait for it leaves the sandbox's pieces behind).
-SLOW_DELETE_RUNSC = """#!/bin/sh
-for a in "$@"; do [ "$a" = delete ] && sleep 3 && break; done
-exec {real} "$@"
-"""
-
-
 def _warm_sandbox(data_dir: Path) -> str | None:
     """The id of the warm-image sandbox being built on `data_dir` (its sandbox dir), if any."""
     d = data_dir / "sandboxes"
@@ -94,11 +87,7 @@ def test_a_shutdown_during_the_warm_image_build_leaves_nothing_behind(server, st
     was written (`sealed`, with a slow runsc delete): the server's own shutdown (no `agentenv gc`)
     leaves no netns, mount, container or dir of it."""
     data_dir = new_data_dir("warmstop")
-    real = shutil.which("runsc")
-    assert real, "runsc not installed"
-    wrapper = data_dir / "runsc-slow-delete"
-    wrapper.write_text(SLOW_DELETE_RUNSC.format(real=real))
-    wrapper.chmod(0o755)
+    wrapper = slow_delete_runsc(data_dir)
     srv = None
     try:
         srv = start_extra_server(data_dir, env={"AGENTENV_WARM_START": "true", "AGENTENV_RUNSC_PATH": str(wrapper)})

@@ -9,33 +9,20 @@ stand-down still in flight; after a crash of the server the pending `delete` giv
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 from e2b import Sandbox
 
 from leftovers import NETNS_PREFIX, agentenv_netns, runsc_containers
-from serverproc import new_api_key, new_data_dir, remove_data_dir, start_extra_server
-
-# runsc whose `delete` takes 3 s and is dropped when the server that asked for it died meanwhile
-SLOW_DELETE_RUNSC = """#!/bin/sh
-for a in "$@"; do
-  if [ "$a" = delete ]; then sleep 3; kill -0 $PPID 2>/dev/null || exit 1; break; fi
-done
-exec {real} "$@"
-"""
+from lifecycle_util import slow_delete_runsc
+from serverproc import new_api_key, new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 
 @pytest.mark.timeout(420)
 def test_what_follows_a_pause_waits_for_its_stand_down(server):
     d = new_data_dir("standdown")
-    real = shutil.which("runsc")
-    assert real, "runsc not installed"
-    wrapper = d / "runsc-slow-delete"
-    wrapper.write_text(SLOW_DELETE_RUNSC.format(real=real))
-    wrapper.chmod(0o755)
-    env = {"AGENTENV_RUNSC_PATH": str(wrapper), "AGENTENV_WARM_START": "false"}
+    env = {"AGENTENV_RUNSC_PATH": str(slow_delete_runsc(d)), "AGENTENV_WARM_START": "false"}
     key = new_api_key()
     first = second = None
     try:
@@ -84,10 +71,5 @@ def test_what_follows_a_pause_waits_for_its_stand_down(server):
         problems = second.stop(gc=False)  # raises when anything of this server is left
         assert not problems, problems
     finally:
-        for srv in (second, first):
-            if srv is not None and not srv.stopped:
-                try:
-                    srv.stop(check_leftovers=False)
-                except Exception:  # noqa: BLE001
-                    pass
+        stop_unchecked(second, first)
         remove_data_dir(d)
