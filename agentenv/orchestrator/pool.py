@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import Settings
+from agentenv.constants import DEFAULT_USER
 from agentenv.models import SandboxRecord, SandboxState, utcnow
+from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.host import SandboxHost
 from agentenv.orchestrator.ids import new_sandbox_id
 
@@ -225,6 +227,7 @@ class SandboxPool:
                 await self.host.launch(rec, rootfs, slot, tools, restore_from=mem, new_boot=True)
             finally:
                 self.host.unpin(src.memory)
+            await self._first_process(slot.host_ip, src)
             ok = True
         except asyncio.CancelledError:
             raise
@@ -242,6 +245,17 @@ class SandboxPool:
         self._ready.setdefault(src.key, deque()).append(Pooled(sid, src, time.monotonic()))
         log.info("pool: %s of template %s ready in %.3fs", sid, src.template_id, time.monotonic() - t0)
         return True
+
+    @staticmethod
+    async def _first_process(host_ip: str, src: Source) -> None:
+        """Run one login shell in the restored sandbox before anyone takes it: a restored envd's first
+        fork pays for faulting its memory back in (~20 ms under gVisor), here instead of in the
+        first command of the create that takes it."""
+        try:
+            await envd_client.run_process(host_ip, access_token=src.restore_token, cmd="true", user=DEFAULT_USER,
+                                          shell="/bin/bash", login=True, timeout=30)
+        except Exception as e:  # noqa: BLE001 - the sandbox works all the same, its first command is slower
+            log.info("pool: no first process in a sandbox of template %s (%s)", src.template_id, e)
 
     def _record(self, sid: str, src: Source) -> SandboxRecord:
         """The host's view of a pooled sandbox (no state store, no lifecycle: it has no record yet)."""
