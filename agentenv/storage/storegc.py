@@ -120,6 +120,7 @@ async def collect(store: SnapshotStore, roots_fn: Callable[[], Awaitable[Roots]]
     say(f"listed {res.scanned} blobs ({res.scanned_bytes / 1048576:.1f} MiB) in the {store.name} snapshot store")
     roots = await roots_fn()
     res.roots = dict(roots.sources)
+    log.debug("roots: layers %s memory %s", sorted(roots.layers), sorted(roots.memory))
     say("roots: " + (", ".join(f"{n} {k}" for k, n in sorted(roots.sources.items())) or "none")
         + f" -> {len(roots.layers)} layers, {len(roots.memory)} memory images referenced")
     cutoff = time.time() - grace_s
