@@ -205,10 +205,15 @@ class S3SnapshotStore:
     name = "s3"
 
     def __init__(self, *, bucket: str, prefix: str = "agentenv/", endpoint_url: str | None = None,
-                 access_key: str | None = None, secret_key: str | None = None, region: str = "us-east-1") -> None:
+                 access_key: str | None = None, secret_key: str | None = None, region: str = "us-east-1",
+                 touch_after_s: float = 0.0) -> None:
         import boto3
         from botocore.config import Config
 
+        # A reused blob written less than this long ago is not touched (an S3 copy costs a read and
+        # write of the object on some servers): safe while a publish takes less than the GC grace
+        # period minus this (storegc.py); store_from_settings uses a quarter of the grace period.
+        self.touch_after_s = touch_after_s
         self.bucket = bucket
         self.prefix = prefix if (not prefix or prefix.endswith("/")) else prefix + "/"
         self._s3 = boto3.client(
@@ -254,7 +259,8 @@ class S3SnapshotStore:
     async def put_blob(self, kind: str, digest: str, src: Path) -> None:
         _check_kind(kind)
         key = self._key(kind, digest)
-        if await self._exists(key) and await self._touch(key):
+        info = await self.blob_info(kind, digest)
+        if info is not None and (info.modified > time.time() - self.touch_after_s or await self._touch(key)):
             return
         await self._call(self._s3.upload_file, str(src), self.bucket, key)
 
@@ -363,7 +369,7 @@ def store_from_settings(settings) -> SnapshotStore:
             raise ValueError("snapshot_store=s3 needs AGENTENV_S3_BUCKET")
         return S3SnapshotStore(bucket=settings.s3_bucket, prefix=settings.s3_prefix, endpoint_url=settings.s3_endpoint,
                                access_key=settings.s3_access_key, secret_key=settings.s3_secret_key,
-                               region=settings.s3_region)
+                               region=settings.s3_region, touch_after_s=settings.store_gc_grace_s / 4)
     if kind == "local":
         return LocalSnapshotStore(Path(settings.snapshot_dir) if settings.snapshot_dir else settings.paths.snapshots)
     raise ValueError(f"unknown snapshot_store {kind!r} (local, s3)")

@@ -24,6 +24,7 @@ from s3server import start_s3
 from serverproc import new_api_key, new_data_dir, remove_data_dir, start_extra_server
 
 TIMEOUT_S = 900
+STORE_GC_GRACE_S = 8  # longer than a publish here takes (seal + upload of a memory snapshot: ~1-3 s)
 
 
 def _kill_group(pgid: int) -> None:
@@ -158,7 +159,8 @@ def s3_pair(server) -> Iterator[S3Pair]:
     bucket, prefix = f"lc-{secrets.token_hex(3)}", "agentenv/"
     env = dict(AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET=bucket, AGENTENV_S3_PREFIX=prefix,
                AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
-               AGENTENV_S3_SECRET_KEY=s3.secret_key)
+               AGENTENV_S3_SECRET_KEY=s3.secret_key,
+               AGENTENV_STORE_GC_GRACE_S=str(STORE_GC_GRACE_S))  # their publishes touch what the test's GC needs
     dirs: list[Path] = []
     servers = []
     try:
@@ -258,8 +260,6 @@ def test_s3_snapshot_deleted_on_one_server_is_gone_on_the_other(s3_pair):
         Sandbox.kill(ghost.sandbox_id, **oa)
     assert not stale, stale
 
-
-STORE_GC_GRACE_S = 8  # longer than a publish here takes (seal + upload of a memory snapshot: ~1-3 s)
 
 
 def _manifest(client, bucket: str, prefix: str, snapshot_id: str) -> dict:
