@@ -296,13 +296,20 @@ class S3SnapshotStore:
         return [o["Key"] for o in await self._list_objects(prefix)]
 
     async def _list_objects(self, prefix: str) -> list[dict]:
+        from botocore.exceptions import ClientError
+
         objs: list[dict] = []
         token = None
         while True:
             kw = {"Bucket": self.bucket, "Prefix": prefix}
             if token:
                 kw["ContinuationToken"] = token
-            resp = await self._call(self._s3.list_objects_v2, **kw)
+            try:
+                resp = await self._call(self._s3.list_objects_v2, **kw)
+            except ClientError as e:  # no node created the bucket yet: nothing in it
+                if e.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                    return []
+                raise
             objs += resp.get("Contents", [])
             if not resp.get("IsTruncated"):
                 return objs
