@@ -324,7 +324,10 @@ class ArtifactCache:
             raise NotFound(f"{kind} {digest[:12]} is neither on this node nor in the snapshot store")
 
     async def _put_requires(self, memory: str) -> None:
-        """The drives a memory image needs, as a small blob named after the image (for the store's GC)."""
+        """The drives a memory image needs, as a small blob named after the image (for the store's GC).
+        Only from a memory image this node has: one published elsewhere already has its record."""
+        if not self.memory_dir(memory).is_dir():
+            return
         drives = sorted(e["digest"] for e in self.required_drives(self.memory_dir(memory)).values()
                         if e.get("digest"))
         fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".json")
