@@ -219,13 +219,14 @@ class Orchestrator:
 
     async def gc_artifacts(self) -> dict[str, int]:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
+        started = time.time()  # what is sealed after this is spared (its sealer pins it next)
         layers, memory = await self.artifacts_in_use()
         needed_here = (set(layers), set(memory))  # what the size budget never evicts
         for snap in await self.store.list_snapshots():
             layers.update(snap.layers)
             if snap.memory_digest:
                 memory.add(snap.memory_digest)
-        removed = await self.host.artifacts.gc(layers, memory)
+        removed = await self.host.artifacts.gc(layers, memory, fresh_since=started)
         if self.settings.artifact_cache_max_mb:
             evicted = await self.host.artifacts.enforce_budget(self.settings.artifact_cache_max_mb << 20, *needed_here)
             removed["evicted"] = len(evicted)

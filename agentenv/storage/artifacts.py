@@ -234,6 +234,7 @@ class ArtifactCache:
             self.touch(kind, digest)
             async with self._locks[digest]:
                 await self.local.put_blob(kind, digest, Path(tmp))
+                self.touch(kind, digest)  # sealed now: `gc` spares it until its caller has pinned it
                 dst = dir_of(digest)
                 if dst.exists():
                     shutil.rmtree(src, ignore_errors=True)
@@ -361,8 +362,13 @@ class ArtifactCache:
 
     # ---------------------------------------------------------------- garbage collection
 
-    async def gc(self, layers_in_use: set[str], memory_in_use: set[str]) -> dict[str, int]:
-        """Remove local artifacts nothing references (blobs in the store are handled by delete)."""
+    async def gc(self, layers_in_use: set[str], memory_in_use: set[str], *,
+                 fresh_since: float | None = None) -> dict[str, int]:
+        """Remove local artifacts nothing references (blobs in the store: `storegc.py`).
+
+        `fresh_since`: when the caller began collecting the in-use sets. An artifact sealed or pulled
+        after that (its use stamp is newer) is kept: its sealer pins it right after the seal returns,
+        which the sets may have missed."""
         removed = {"layers": 0, "memory": 0}
         for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
                                      ("memory", memory_in_use, self.memory_dir)):
@@ -371,6 +377,8 @@ class ArtifactCache:
             digests |= set(await self.local.list_blobs(kind))
             for d in digests - in_use:
                 async with self._locks[d]:
+                    if fresh_since is not None and self._last_used(kind, d) >= fresh_since - 0.05:  # coarse file clocks
+                        continue
                     shutil.rmtree(dir_of(d), ignore_errors=True)
                     await self.local.delete_blob(kind, d)
                     self._stamp(kind, d).unlink(missing_ok=True)
