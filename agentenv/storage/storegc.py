@@ -140,7 +140,7 @@ async def collect(store: SnapshotStore, roots_fn: Callable[[], Awaitable[Roots]]
     # drives: marked by the requires record of every memory image that stays; one without a record
     # (published before records existed) could need any drive, so then no drive is removed.
     drives_needed: set[str] | None = set()
-    for m in sorted(kept_memory):
+    for m in sorted(kept_memory) if blobs["drives"] else []:  # no drives (gVisor only): nothing to read
         req = await _requires(store, m)
         if req is None:
             drives_needed = None
