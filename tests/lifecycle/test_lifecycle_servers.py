@@ -268,7 +268,7 @@ def _manifest(client, bucket: str, prefix: str, snapshot_id: str) -> dict:
     return json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}manifests/{snapshot_id}.json")["Body"].read())
 
 
-def _gc_store(srv, grace_s: float) -> tuple[str, float]:
+def _gc_store(srv, grace_s: float, *extra: str) -> tuple[str, float]:
     """`agentenv gc --store` against server A's state store and the shared S3 store, as an operator runs it."""
     import subprocess
     import time
@@ -278,7 +278,7 @@ def _gc_store(srv, grace_s: float) -> tuple[str, float]:
     env = dict(os.environ)
     env.update(srv.env)
     t0 = time.monotonic()
-    out = subprocess.run([agentenv_executable(), "gc", "--store", "--grace", str(grace_s)], env=env,
+    out = subprocess.run([agentenv_executable(), "gc", "--store", "--grace", str(grace_s), *extra], env=env,
                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout, time.monotonic() - t0
@@ -323,6 +323,10 @@ def test_store_gc_removes_exactly_the_unreferenced_blobs_while_a_snapshot_publis
         keys = set(_keys(s3c, bucket, prefix))
         assert garbage <= keys and kept <= keys, (garbage - keys, kept - keys)  # delete left the blobs to GC
         time.sleep(STORE_GC_GRACE_S + 1)  # the garbage is older than the grace period now
+        dry, _ = _gc_store(a_srv, STORE_GC_GRACE_S, "--dry-run")
+        assert {f"{prefix}{line.split()[2]}" for line in dry.splitlines() if line.startswith("would remove ")} \
+            == garbage, dry
+        assert garbage <= set(_keys(s3c, bucket, prefix)), "a dry run removed blobs"
 
         # A publish in flight: a sandbox from snap2 (reusing L2, L1) snapshotted while GC runs in a loop.
         pub = Sandbox.create(snap2.snapshot_id, timeout=TIMEOUT_S, **oa)
