@@ -234,7 +234,6 @@ class ArtifactCache:
             self.touch(kind, digest)
             async with self._locks[digest]:
                 await self.local.put_blob(kind, digest, Path(tmp))
-                self.touch(kind, digest)  # sealed now: `gc` spares it until its caller has pinned it
                 dst = dir_of(digest)
                 if dst.exists():
                     shutil.rmtree(src, ignore_errors=True)
@@ -250,6 +249,7 @@ class ArtifactCache:
                         shutil.rmtree(src, ignore_errors=True)
         finally:
             Path(tmp).unlink(missing_ok=True)
+        self.touch(kind, digest)  # sealed now, and no await until the caller pins it: `gc` spares it
         return digest
 
     # ---------------------------------------------------------------- fetching
