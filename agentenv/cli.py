@@ -796,16 +796,32 @@ main.add_command(setup_command)  # host packages (agentenv/hostsetup/host-packag
 
 @main.command()
 @click.option("--data-dir", default=None)
-def gc(data_dir: str | None) -> None:
+@click.option("--store", "store_gc", is_flag=True,
+              help="Collect the snapshot store instead (local dir or S3): remove blobs no snapshot, "
+                   "sandbox, template build or catalog row references and older than the grace period. "
+                   "Safe while servers run and publish.")
+@click.option("--dry-run", is_flag=True, help="With --store: list what would be removed, remove nothing.")
+@click.option("--grace", "grace_s", type=float, default=None,
+              help="With --store: seconds an unreferenced blob is kept after its last write "
+                   "(default: store_gc_grace_s, 3600).")
+def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | None) -> None:
     """Remove containers, netns, mounts and dirs of this data dir that no live sandbox owns.
 
     Refuses while a server runs on the data dir. Running sandboxes cannot outlive their server's
     state, so all of them are removed; paused sandboxes (kept on disk) are not touched.
+    With --store: garbage-collect the snapshot store (docs/cluster.md, "Garbage collection").
     """
     from agentenv.server import build
 
-    _require_root()
     settings = _settings(data_dir)
+    if store_gc:
+        from agentenv.cli_store import collect_store
+
+        collect_store(settings, dry_run=dry_run, grace_s=settings.store_gc_grace_s if grace_s is None else grace_s)
+        return
+    if dry_run or grace_s is not None:
+        raise click.UsageError("--dry-run and --grace go with --store")
+    _require_root()
 
     async def go():
         from agentenv.runtimes._reaper import become_subreaper, reap_forever

@@ -171,6 +171,12 @@ class Settings(BaseSettings):
     s3_access_key: str | None = None
     s3_secret_key: str | None = None
     s3_region: str = "us-east-1"
+    # Garbage collection of the snapshot store (storage/storegc.py): every store_gc_interval_s (0:
+    # never) blobs nothing references and last written more than store_gc_grace_s ago are removed.
+    # Runs in `agentenv serve` and, in a cluster, in the scheduler only. The grace period must exceed
+    # the longest publish (upload of a pause or snapshot); `agentenv gc --store` runs it by hand.
+    store_gc_interval_s: float = Field(default=3600.0, ge=0)
+    store_gc_grace_s: float = Field(default=3600.0, ge=0)
 
     # Observability (docs/observability.md). Server logs: "json" (one object per line, request ids)
     # or "text". /metrics is open unless metrics_bearer_token is set (then: that bearer token or an API key).

@@ -241,6 +241,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
     data_plane = None
     cert_watch = None
     started = False
+    store_gc = None
     try:
         # Images first: the first create must not pay for a debootstrap.
         await c.images.ensure_base(progress)
@@ -249,6 +250,8 @@ async def serve(settings: Settings, *, progress=None) -> None:
         chosen = _plan_data_plane(settings)
         await c.orchestrator.start()
         started = True
+        store_gc = _store_collector(c)
+        store_gc.start()
         if c.observability is not None:
             await c.observability.start()
 
@@ -284,6 +287,8 @@ async def serve(settings: Settings, *, progress=None) -> None:
             await data_plane.stop()
         if site is not None:
             await site.stop()
+        if store_gc is not None:
+            await store_gc.stop()
         if started:
             await c.orchestrator.stop()
         if c.observability is not None:
@@ -293,6 +298,23 @@ async def serve(settings: Settings, *, progress=None) -> None:
             await runner.cleanup()
         await c.store.close()
         reaper.cancel()
+
+
+def _store_collector(c: Components):
+    """The snapshot store's periodic GC on a single server: the state store's rows, the store's
+    manifests and what this server holds in memory (warm images, pool, restores) are its roots."""
+    from agentenv.storage.storegc import StoreCollector, state_roots
+
+    orch = c.orchestrator
+    store = orch.artifacts.store
+
+    async def roots():
+        r = await state_roots(c.store, store)
+        r.merge(await orch.artifacts_in_use(), "this server's sandboxes, warm images and pool")
+        return r
+
+    return StoreCollector(store, roots, interval_s=c.settings.store_gc_interval_s,
+                          grace_s=c.settings.store_gc_grace_s)
 
 
 def setup_logging(level: str = "INFO") -> None:

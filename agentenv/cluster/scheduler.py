@@ -306,10 +306,12 @@ async def run_scheduler(settings: Settings) -> None:
     server_ctx = tls.server_context(settings) if tls.enabled(settings) else None
     client_ctx = tls.client_context(settings) if server_ctx is not None else None
     svc = SchedulerService(settings, store, ssl_context=client_ctx)
+    store_gc = _store_collector(settings, store)
     reloader = tls.Reloader(settings, server_ctx, client_ctx) if server_ctx is not None else None
     try:
         async def on_started() -> None:
             svc.start()
+            store_gc.start()
             if reloader is not None:
                 reloader.start()
             scheme = "https" if server_ctx is not None else "http"
@@ -319,5 +321,18 @@ async def run_scheduler(settings: Settings) -> None:
     finally:
         if reloader is not None:
             await reloader.stop()
+        await store_gc.stop()
         await svc.stop()
         await store.close()
+
+
+def _store_collector(settings: Settings, state):
+    """The snapshot store's periodic GC runs here, on the one scheduler, never on nodes (they would
+    sweep the shared store against each other); its roots are the store's manifests and the
+    cluster's state store (every node's sandboxes, builds and catalog)."""
+    from agentenv.storage.snapshots import store_from_settings
+    from agentenv.storage.storegc import StoreCollector, state_roots
+
+    snapshots = store_from_settings(settings)
+    return StoreCollector(snapshots, lambda: state_roots(state, snapshots),
+                          interval_s=settings.store_gc_interval_s, grace_s=settings.store_gc_grace_s)

@@ -63,12 +63,7 @@ class SnapshotCatalog:
 
     async def delete(self, snapshot_id_or_name: str, *, team_id: str) -> None:
         snap = await self.get(snapshot_id_or_name, team_id=team_id)
-        others = [s for s in await self.list(team_id=team_id) if s.snapshot_id != snap.snapshot_id]
-        # Other teams' snapshots may share layers too (content addressing): keep those blobs.
-        for m in await self.artifacts.store.list_manifests():
-            if m.get("teamID") != team_id and m.get("snapshotID") != snap.snapshot_id:
-                others.append(SnapshotRecord.from_manifest(m))
-        await self.artifacts.delete_from_store(snap, others)
+        await self.artifacts.delete_from_store(snap)  # its blobs: the store's GC (shared layers stay)
         await self.store.delete_snapshot(snap.snapshot_id)
         await self._gc_artifacts()
         log.info("deleted snapshot %s", snap.snapshot_id)

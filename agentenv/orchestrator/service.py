@@ -221,6 +221,22 @@ class Orchestrator:
 
     async def gc_artifacts(self) -> dict[str, int]:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
+        started = time.time()  # what is sealed after this is spared (its sealer pins it next)
+        layers, memory = await self.artifacts_in_use()
+        needed_here = (set(layers), set(memory))  # what the size budget never evicts
+        for snap in await self.store.list_snapshots():
+            layers.update(snap.layers)
+            if snap.memory_digest:
+                memory.add(snap.memory_digest)
+        removed = await self.host.artifacts.gc(layers, memory, fresh_since=started)
+        if self.settings.artifact_cache_max_mb:
+            evicted = await self.host.artifacts.enforce_budget(self.settings.artifact_cache_max_mb << 20, *needed_here)
+            removed["evicted"] = len(evicted)
+        return removed
+
+    async def artifacts_in_use(self) -> tuple[set[str], set[str]]:
+        """Layers and memory images this node needs: warm images, the pool, restores in flight,
+        template builds, live records (also roots of the snapshot store's GC on a single server)."""
         layers, memory = self.warm.artifacts_in_use()
         p_layers, p_memory = self.pool.artifacts_in_use()
         layers |= p_layers | self.host.pinned_layers()
@@ -233,16 +249,8 @@ class Orchestrator:
             layers.update(rec.layers)
             if rec.memory_digest:
                 memory.add(rec.memory_digest)
-        needed_here = (set(layers), set(memory))  # what the size budget never evicts
-        for snap in await self.store.list_snapshots():
-            layers.update(snap.layers)
-            if snap.memory_digest:
-                memory.add(snap.memory_digest)
-        removed = await self.host.artifacts.gc(layers, memory)
-        if self.settings.artifact_cache_max_mb:
-            evicted = await self.host.artifacts.enforce_budget(self.settings.artifact_cache_max_mb << 20, *needed_here)
-            removed["evicted"] = len(evicted)
-        return removed
+        memory.discard("")
+        return layers, memory
 
     # ------------------------------------------------------------------ queries (observers: no state change)
 

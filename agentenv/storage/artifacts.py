@@ -249,6 +249,7 @@ class ArtifactCache:
                         shutil.rmtree(src, ignore_errors=True)
         finally:
             Path(tmp).unlink(missing_ok=True)
+        self.touch(kind, digest)  # sealed now, and no await until the caller pins it: `gc` spares it
         return digest
 
     # ---------------------------------------------------------------- fetching
@@ -294,27 +295,62 @@ class ArtifactCache:
 
     async def publish(self, snap: SnapshotRecord) -> None:
         """Upload blobs (idempotent, retried by the store client), then the manifest, last."""
-        blobs = [("layers", d) for d in snap.layers]
-        if snap.memory_digest:
-            blobs += self._drive_blobs(snap.memory_digest) + [("memory", snap.memory_digest)]
-        for kind, digest in blobs:  # put_blob skips blobs the store already has
-            await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
+        blobs = await self._upload(snap.layers, snap.memory_digest)
         await self.store.put_manifest(snap.snapshot_id, snap.to_manifest())
+        await self._verify(blobs)
+
+    async def publish_blobs(self, layers: list[str], memory: str | None) -> None:
+        """Upload blobs (without a manifest): a paused sandbox's state for other nodes to resume."""
+        await self._verify(await self._upload(layers, memory))
+
+    async def _upload(self, layers: list[str], memory: str | None) -> list[tuple[str, str]]:
+        """Every blob of a layer chain + memory image into the store (drives and the memory image's
+        `requires` record before the image: a reader or GC that sees the image sees what it needs).
+        A blob the store already has is touched (`put_blob`), which keeps it from GC's grace period."""
+        blobs = [("layers", d) for d in layers]
+        if memory:
+            blobs += self._drive_blobs(memory)
+        for kind, digest in blobs:
+            await self._put(kind, digest)
+        if memory:
+            await self._put_requires(memory)
+            await self._put("memory", memory)
+            blobs.append(("memory", memory))
+        return blobs
+
+    async def _put(self, kind: str, digest: str) -> None:
+        if await self.local.has_blob(kind, digest):
+            await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
+        elif not await self.store.has_blob(kind, digest):
+            raise NotFound(f"{kind} {digest[:12]} is neither on this node nor in the snapshot store")
+
+    async def _put_requires(self, memory: str) -> None:
+        """The drives a memory image needs, as a small blob named after the image (for the store's GC).
+        Only from a memory image this node has: one published elsewhere already has its record."""
+        if not self.memory_dir(memory).is_dir():
+            return
+        drives = sorted(e["digest"] for e in self.required_drives(self.memory_dir(memory)).values()
+                        if e.get("digest"))
+        fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".json")
+        os.close(fd)
+        try:
+            Path(tmp).write_text(json.dumps({"drives": drives}))
+            await self.store.put_blob("requires", memory, Path(tmp))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    async def _verify(self, blobs: list[tuple[str, str]]) -> None:
+        """After the reference is written: a blob the store's GC removed in the instant between its
+        last check and our touch is uploaded again (storegc.py explains the window)."""
+        for kind, digest in blobs:
+            if not await self.store.has_blob(kind, digest) and await self.local.has_blob(kind, digest):
+                log.warning("%s/%s vanished from the snapshot store during its publish; uploading it again",
+                            kind, digest[:12])
+                await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
 
     def _drive_blobs(self, memory_digest: str) -> list[tuple[str, str]]:
         return [("drives", e["digest"]) for e in self.required_drives(self.memory_dir(memory_digest)).values()
                 if e.get("digest")]
-
-    async def publish_blobs(self, layers: list[str], memory: str | None) -> None:
-        """Upload blobs (without a manifest): a paused sandbox's state for other nodes to resume."""
-        blobs = [("layers", d) for d in layers]
-        if memory:
-            blobs += self._drive_blobs(memory) + [("memory", memory)]
-        for kind, digest in blobs:
-            if await self.local.has_blob(kind, digest):
-                await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
-            elif not await self.store.has_blob(kind, digest):
-                raise NotFound(f"{kind} {digest[:12]} is neither on this node nor in the snapshot store")
 
     async def find_manifest(self, id_or_name: str) -> SnapshotRecord | None:
         m = await self.store.get_manifest(id_or_name) if _plain(id_or_name) else None
@@ -326,8 +362,13 @@ class ArtifactCache:
 
     # ---------------------------------------------------------------- garbage collection
 
-    async def gc(self, layers_in_use: set[str], memory_in_use: set[str]) -> dict[str, int]:
-        """Remove local artifacts nothing references (blobs in the store are handled by delete)."""
+    async def gc(self, layers_in_use: set[str], memory_in_use: set[str], *,
+                 fresh_since: float | None = None) -> dict[str, int]:
+        """Remove local artifacts nothing references (blobs in the store: `storegc.py`).
+
+        `fresh_since`: when the caller began collecting the in-use sets. An artifact sealed or pulled
+        after that (its use stamp is newer) is kept: its sealer pins it right after the seal returns,
+        which the sets may have missed."""
         removed = {"layers": 0, "memory": 0}
         for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
                                      ("memory", memory_in_use, self.memory_dir)):
@@ -336,22 +377,18 @@ class ArtifactCache:
             digests |= set(await self.local.list_blobs(kind))
             for d in digests - in_use:
                 async with self._locks[d]:
+                    if fresh_since is not None and self._last_used(kind, d) >= fresh_since - 0.05:  # coarse file clocks
+                        continue
                     shutil.rmtree(dir_of(d), ignore_errors=True)
                     await self.local.delete_blob(kind, d)
                     self._stamp(kind, d).unlink(missing_ok=True)
                     removed[kind] += 1
         return removed
 
-    async def delete_from_store(self, snap: SnapshotRecord, others: list[SnapshotRecord]) -> None:
-        """Delete a snapshot's manifest first (it disappears at once), then blobs no other uses."""
+    async def delete_from_store(self, snap: SnapshotRecord) -> None:
+        """Delete a snapshot's manifest (it disappears at once). Its blobs stay until the store's GC
+        (`storegc.py`) finds nothing references them: another publish may be reusing one right now."""
         await self.store.delete_manifest(snap.snapshot_id)
-        used_layers = {d for o in others for d in o.layers}
-        used_mem = {o.memory_digest for o in others if o.memory_digest}
-        for d in snap.layers:
-            if d not in used_layers:
-                await self.store.delete_blob("layers", d)
-        if snap.memory_digest and snap.memory_digest not in used_mem:
-            await self.store.delete_blob("memory", snap.memory_digest)
 
 
 def _plain(name: str) -> bool:

@@ -6,6 +6,10 @@ and any S3-compatible object store. Blobs are content-addressed (`<kind>/<sha256
 shared by many snapshots is stored once. A snapshot becomes visible only when its manifest is
 written, and the manifest is written last: a reader never sees a snapshot whose blobs are missing,
 and a failed upload leaves at most unreferenced blobs (removed by GC), never a half snapshot.
+
+For the store's garbage collection (`storage/storegc.py`) every blob carries the time it was last
+written: `put_blob` of a blob the store already has *touches* it (a fresh modification time), so
+a publish that reuses an old blob makes it as young as a new upload, and GC's grace period covers both.
 """
 
 from __future__ import annotations
@@ -15,10 +19,23 @@ import json
 import os
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-BLOB_KINDS = ("layers", "memory", "drives")  # drives: read-only VM drives memory images need
+BLOB_KINDS = ("layers", "memory", "drives", "requires")
+# drives: read-only VM drives memory images need; requires: for each published memory image, the
+# drives it needs (its requires.json), so GC knows which drives are still referenced without
+# downloading the memory images.
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    kind: str
+    digest: str
+    size: int
+    modified: float  # epoch seconds of its last write (upload or touch)
 
 
 class SnapshotStore(Protocol):
@@ -26,13 +43,15 @@ class SnapshotStore(Protocol):
 
     async def has_blob(self, kind: str, digest: str) -> bool: ...
     async def put_blob(self, kind: str, digest: str, src: Path) -> None:
-        """Store `src` under its digest; idempotent; atomic for readers."""
+        """Store `src` under its digest; idempotent (an existing blob is touched); atomic for readers."""
 
     async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
         """Download to `dst` (atomically: a partial download never appears at `dst`)."""
 
     async def delete_blob(self, kind: str, digest: str) -> None: ...
     async def list_blobs(self, kind: str) -> list[str]: ...
+    async def list_blob_info(self, kind: str) -> list[BlobInfo]: ...
+    async def blob_info(self, kind: str, digest: str) -> BlobInfo | None: ...
     async def put_manifest(self, snapshot_id: str, manifest: dict) -> None: ...
     async def get_manifest(self, snapshot_id: str) -> dict | None: ...
     async def list_manifests(self) -> list[dict]: ...
@@ -68,8 +87,11 @@ class LocalSnapshotStore:
 
     async def put_blob(self, kind: str, digest: str, src: Path) -> None:
         dst = self.blob_path(kind, digest)
-        if dst.exists():
+        try:
+            os.utime(dst)  # already here: touched, so GC's grace period counts from this publish
             return
+        except FileNotFoundError:
+            pass
         dst.parent.mkdir(parents=True, exist_ok=True)
 
         def copy() -> None:
@@ -78,6 +100,10 @@ class LocalSnapshotStore:
             try:
                 try:
                     os.link(src, dst)  # same filesystem: free
+                    os.utime(dst)  # the link keeps the source's (maybe old) mtime
+                    os.unlink(tmp)
+                    return
+                except FileExistsError:
                     os.unlink(tmp)
                     return
                 except OSError:
@@ -118,6 +144,21 @@ class LocalSnapshotStore:
     async def list_blobs(self, kind: str) -> list[str]:
         d = self.root / kind
         return sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) if d.exists() else []
+
+    async def list_blob_info(self, kind: str) -> list[BlobInfo]:
+        out = []
+        for digest in await self.list_blobs(kind):
+            info = await self.blob_info(kind, digest)
+            if info is not None:
+                out.append(info)
+        return out
+
+    async def blob_info(self, kind: str, digest: str) -> BlobInfo | None:
+        try:
+            st = self.blob_path(kind, digest).stat()
+        except FileNotFoundError:
+            return None
+        return BlobInfo(kind, digest, st.st_size, st.st_mtime)
 
     def _manifest(self, snapshot_id: str) -> Path:
         _check_name(snapshot_id)
@@ -164,10 +205,15 @@ class S3SnapshotStore:
     name = "s3"
 
     def __init__(self, *, bucket: str, prefix: str = "agentenv/", endpoint_url: str | None = None,
-                 access_key: str | None = None, secret_key: str | None = None, region: str = "us-east-1") -> None:
+                 access_key: str | None = None, secret_key: str | None = None, region: str = "us-east-1",
+                 touch_after_s: float = 0.0) -> None:
         import boto3
         from botocore.config import Config
 
+        # A reused blob written less than this long ago is not touched (an S3 copy costs a read and
+        # write of the object on some servers): safe while a publish takes less than the GC grace
+        # period minus this (storegc.py); store_from_settings uses a quarter of the grace period.
+        self.touch_after_s = touch_after_s
         self.bucket = bucket
         self.prefix = prefix if (not prefix or prefix.endswith("/")) else prefix + "/"
         self._s3 = boto3.client(
@@ -213,9 +259,23 @@ class S3SnapshotStore:
     async def put_blob(self, kind: str, digest: str, src: Path) -> None:
         _check_kind(kind)
         key = self._key(kind, digest)
-        if await self._exists(key):
+        info = await self.blob_info(kind, digest)
+        if info is not None and (info.modified > time.time() - self.touch_after_s or await self._touch(key)):
             return
         await self._call(self._s3.upload_file, str(src), self.bucket, key)
+
+    async def _touch(self, key: str) -> bool:
+        """Give an existing object a fresh LastModified (a copy onto itself); False if it is gone
+        (collected meanwhile) or cannot be copied in one call (> 5 GiB): the caller uploads it."""
+        from botocore.exceptions import ClientError
+
+        try:
+            await self._call(self._s3.copy_object, Bucket=self.bucket, Key=key,
+                             CopySource={"Bucket": self.bucket, "Key": key},
+                             MetadataDirective="REPLACE", Metadata={"touched": str(int(time.time()))})
+            return True
+        except ClientError:
+            return False
 
     async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
         _check_kind(kind)
@@ -233,22 +293,48 @@ class S3SnapshotStore:
         await self._call(self._s3.delete_object, Bucket=self.bucket, Key=self._key(kind, digest))
 
     async def _list(self, prefix: str) -> list[str]:
-        keys: list[str] = []
+        return [o["Key"] for o in await self._list_objects(prefix)]
+
+    async def _list_objects(self, prefix: str) -> list[dict]:
+        from botocore.exceptions import ClientError
+
+        objs: list[dict] = []
         token = None
         while True:
             kw = {"Bucket": self.bucket, "Prefix": prefix}
             if token:
                 kw["ContinuationToken"] = token
-            resp = await self._call(self._s3.list_objects_v2, **kw)
-            keys += [o["Key"] for o in resp.get("Contents", [])]
+            try:
+                resp = await self._call(self._s3.list_objects_v2, **kw)
+            except ClientError as e:  # no node created the bucket yet: nothing in it
+                if e.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                    return []
+                raise
+            objs += resp.get("Contents", [])
             if not resp.get("IsTruncated"):
-                return keys
+                return objs
             token = resp.get("NextContinuationToken")
 
     async def list_blobs(self, kind: str) -> list[str]:
+        return [b.digest for b in await self.list_blob_info(kind)]
+
+    async def list_blob_info(self, kind: str) -> list[BlobInfo]:
         _check_kind(kind)
         base = f"{self.prefix}{kind}/"
-        return sorted(k[len(base):] for k in await self._list(base))
+        return sorted((BlobInfo(kind, o["Key"][len(base):], int(o.get("Size", 0)), o["LastModified"].timestamp())
+                       for o in await self._list_objects(base)), key=lambda b: b.digest)
+
+    async def blob_info(self, kind: str, digest: str) -> BlobInfo | None:
+        from botocore.exceptions import ClientError
+
+        _check_kind(kind)
+        try:
+            h = await self._call(self._s3.head_object, Bucket=self.bucket, Key=self._key(kind, digest))
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        return BlobInfo(kind, digest, int(h.get("ContentLength", 0)), h["LastModified"].timestamp())
 
     async def put_manifest(self, snapshot_id: str, manifest: dict) -> None:
         body = json.dumps(manifest, indent=1, sort_keys=True).encode()
@@ -290,7 +376,7 @@ def store_from_settings(settings) -> SnapshotStore:
             raise ValueError("snapshot_store=s3 needs AGENTENV_S3_BUCKET")
         return S3SnapshotStore(bucket=settings.s3_bucket, prefix=settings.s3_prefix, endpoint_url=settings.s3_endpoint,
                                access_key=settings.s3_access_key, secret_key=settings.s3_secret_key,
-                               region=settings.s3_region)
+                               region=settings.s3_region, touch_after_s=settings.store_gc_grace_s / 4)
     if kind == "local":
         return LocalSnapshotStore(Path(settings.snapshot_dir) if settings.snapshot_dir else settings.paths.snapshots)
     raise ValueError(f"unknown snapshot_store {kind!r} (local, s3)")

@@ -329,7 +329,9 @@ def cluster() -> Cluster:
         sched_port, gw_port = free_port(), free_port()
         # on the LAN: nodes cut off from PostgreSQL relay their heartbeats through it (fencing)
         scheduler = _start_role("scheduler", {**common, **pki.env("scheduler", "scheduler", (f"{LAN}.1",)),
-                                              "AGENTENV_HOST": f"{LAN}.1", "AGENTENV_PORT": str(sched_port)},
+                                              "AGENTENV_HOST": f"{LAN}.1", "AGENTENV_PORT": str(sched_port),
+                                              # its periodic store GC runs (the default grace: removes nothing)
+                                              "AGENTENV_STORE_GC_INTERVAL_S": "10"},
                                 f"https://{LAN}.1:{sched_port}", work / "scheduler.log", work, verify=str(pki.ca))
         stack.callback(scheduler.stop)
         gateway_env = {**common, **pki.env("gateway", "gateway"), "AGENTENV_SCHEDULER_URL": scheduler.url,

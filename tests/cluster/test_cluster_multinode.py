@@ -175,3 +175,85 @@ def test_time_travel_through_the_gateway(cluster):
             tt.delete(c.checkpoint_id)
     finally:
         Sandbox.kill(sbx.sandbox_id, **opts)
+
+
+def test_store_gc_counts_every_node_and_keeps_what_checkpoints_and_pauses_need(cluster):
+    """`agentenv gc --store` with the cluster's settings (PostgreSQL + S3): a paused sandbox's blobs
+    (referenced only by its PostgreSQL row) stay, and so do the layers a deleted checkpoint shares
+    with its child; the deleted checkpoint's memory image goes, the killed sandbox's layer goes. The
+    scheduler runs the periodic job."""
+    import os
+    import subprocess
+
+    import boto3
+    from botocore.config import Config
+
+    from agentenv.client.timetravel import TimeTravel
+    from serverproc import agentenv_executable
+
+    s3 = cluster.s3
+    client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                          aws_secret_access_key=s3.secret_key, region_name="us-east-1",
+                          config=Config(s3={"addressing_style": "path"}))
+    prefix = "agentenv/"
+
+    def keys() -> set[str]:
+        out = set()
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket="cluster", Prefix=prefix):
+            out |= {o["Key"][len(prefix):] for o in page.get("Contents", [])}
+        return out
+
+    def manifest(sid: str) -> dict:
+        import json
+
+        return json.loads(client.get_object(Bucket="cluster", Key=f"{prefix}manifests/{sid}.json")["Body"].read())
+
+    def blobs(m: dict) -> set[str]:
+        return {f"layers/{d}" for d in m["layers"]} | ({f"memory/{m['memory']}"} if m.get("memory") else set())
+
+    def gc_store() -> set[str]:
+        env = {**os.environ, **cluster.extra["gateway_env"], "AGENTENV_DATA_DIR": str(cluster.work)}
+        t0 = time.monotonic()
+        r = subprocess.run([agentenv_executable(), "gc", "--store", "--grace", "0"], env=env, capture_output=True,
+                           text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stdout + r.stderr
+        print(f"gc --store on the cluster ({time.monotonic() - t0:.2f}s): {r.stdout.strip().splitlines()[-1]}")
+        return {line.split()[1] for line in r.stdout.splitlines() if line.startswith("removed ")}
+
+    opts = cluster.sdk_opts()
+    tt = TimeTravel(api_url=cluster.gateway.url, api_key=cluster.api_key)
+    sbx = Sandbox.create(timeout=600, **opts)
+    try:
+        sbx.files.write("/home/user/state", "one")
+        c1 = tt.checkpoint(sbx.sandbox_id)
+        sbx.files.write("/home/user/state", "two")
+        c2 = tt.checkpoint(sbx.sandbox_id)
+        m1, m2 = manifest(c1.checkpoint_id), manifest(c2.checkpoint_id)
+        assert set(m1["layers"]) < set(m2["layers"]), (m1, m2)  # the child shares its parent's layers
+        sbx.files.write("/home/user/paused", "p")
+        before = keys()
+        assert sbx.pause() is True
+        paused = {k for k in keys() - before if k.split("/")[0] in ("layers", "memory")}
+        assert {k.split("/")[0] for k in paused} == {"layers", "memory"}, paused
+        tt.delete(c1.checkpoint_id)
+
+        removed = gc_store()
+        assert f"memory/{m1['memory']}" in removed, removed
+        assert not removed & (paused | blobs(m2)), removed & (paused | blobs(m2))
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=600, **opts)  # on any node, from S3 if need be
+        assert resumed.files.read("/home/user/paused") == "p"
+        tt.rollback(sbx.sandbox_id, c2.checkpoint_id)  # the child of the deleted checkpoint restores
+        assert resumed.files.read("/home/user/state") == "two"
+    finally:
+        Sandbox.kill(sbx.sandbox_id, **opts)
+    tt.delete(c2.checkpoint_id)
+    paused_layers = {k for k in paused if k.startswith("layers/")}
+    removed = gc_store()
+    assert paused_layers <= removed, (paused_layers, removed)
+    left = keys()
+    for k in left:
+        if k.startswith("manifests/"):
+            missing = blobs(manifest(k.split("/")[1].removesuffix(".json"))) - left
+            assert not missing, (k, missing)
+    log = (cluster.work / "scheduler.log").read_text()
+    assert "snapshot store:" in log, "the scheduler's periodic store GC never ran"

@@ -24,6 +24,7 @@ from s3server import start_s3
 from serverproc import new_api_key, new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 TIMEOUT_S = 900
+STORE_GC_GRACE_S = 8  # longer than a publish here takes (seal + upload of a memory snapshot: ~1-3 s)
 
 
 def _kill_group(pgid: int) -> None:
@@ -153,7 +154,8 @@ def s3_pair(server) -> Iterator[S3Pair]:
     bucket, prefix = f"lc-{secrets.token_hex(3)}", "agentenv/"
     env = dict(AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET=bucket, AGENTENV_S3_PREFIX=prefix,
                AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
-               AGENTENV_S3_SECRET_KEY=s3.secret_key)
+               AGENTENV_S3_SECRET_KEY=s3.secret_key,
+               AGENTENV_STORE_GC_GRACE_S=str(STORE_GC_GRACE_S))  # their publishes touch what the test's GC needs
     dirs: list[Path] = []
     servers = []
     try:
@@ -252,3 +254,129 @@ def test_s3_snapshot_deleted_on_one_server_is_gone_on_the_other(s3_pair):
                      "(from its local catalog + artifact cache)")
         Sandbox.kill(ghost.sandbox_id, **oa)
     assert not stale, stale
+
+
+
+def _manifest(client, bucket: str, prefix: str, snapshot_id: str) -> dict:
+    import json
+
+    return json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}manifests/{snapshot_id}.json")["Body"].read())
+
+
+def _gc_store(srv, grace_s: float, *extra: str) -> tuple[str, float]:
+    """`agentenv gc --store` against server A's state store and the shared S3 store, as an operator runs it."""
+    import subprocess
+    import time
+
+    from serverproc import agentenv_executable
+
+    env = dict(os.environ)
+    env.update(srv.env)
+    t0 = time.monotonic()
+    out = subprocess.run([agentenv_executable(), "gc", "--store", "--grace", str(grace_s), *extra], env=env,
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout, time.monotonic() - t0
+
+
+@pytest.mark.timeout(400)
+def test_store_gc_removes_exactly_the_unreferenced_blobs_while_a_snapshot_publishes(s3_pair):
+    """GC of the S3 store: blobs of deleted snapshots go; a layer a deleted snapshot shares with a
+    later one (its descendant in the sandbox's chain) stays; a snapshot published while GC runs in a
+    loop keeps every blob and restores on the other server."""
+    import threading
+    import time
+
+    a_srv, b_srv, bucket, prefix = s3_pair.a, s3_pair.b, s3_pair.bucket, s3_pair.prefix
+    oa, ob = a_srv.sdk_opts(), b_srv.sdk_opts()
+    s3c = _s3_client(s3_pair.s3)
+    _gc_store(a_srv, 0)  # what earlier tests of this module deleted (nothing publishes now)
+    ids: list[str] = []
+    try:
+        src = Sandbox.create(timeout=TIMEOUT_S, **oa)
+        ids.append(src.sandbox_id)
+        a_srv.known_ids.add(src.sandbox_id)
+        src.files.write(f"{WORK}/one.txt", "1")
+        snap1 = src.create_snapshot()                       # layers [L1], memory M1
+        src.files.write(f"{WORK}/two.txt", "2")
+        snap2 = src.create_snapshot()                       # layers [L2, L1], memory M2: shares L1
+        other = Sandbox.create(timeout=TIMEOUT_S, **oa)
+        ids.append(other.sandbox_id)
+        a_srv.known_ids.add(other.sandbox_id)
+        other.files.write(f"{WORK}/three.txt", "3")
+        snap3 = other.create_snapshot(mode="filesystem")    # layers [L3]
+        m1, m2, m3 = (_manifest(s3c, bucket, prefix, s.snapshot_id) for s in (snap1, snap2, snap3))
+        assert m2["layers"][1:] == m1["layers"], (m1, m2)
+        for sid in ids:
+            Sandbox.kill(sid, **oa)
+        ids.clear()
+        assert Sandbox.delete_snapshot(snap1.snapshot_id, **oa) and Sandbox.delete_snapshot(snap3.snapshot_id, **oa)
+        garbage = {f"{prefix}memory/{m1['memory']}", f"{prefix}requires/{m1['memory']}"}
+        garbage |= {f"{prefix}layers/{d}" for d in set(m3["layers"]) - set(m2["layers"])}  # not the template's
+        assert len(garbage) == 3, (m2, m3)
+        kept = {f"{prefix}layers/{d}" for d in m2["layers"]} | {f"{prefix}memory/{m2['memory']}"}
+        keys = set(_keys(s3c, bucket, prefix))
+        assert garbage <= keys and kept <= keys, (garbage - keys, kept - keys)  # delete left the blobs to GC
+        time.sleep(STORE_GC_GRACE_S + 1)  # the garbage is older than the grace period now
+        dry, _ = _gc_store(a_srv, STORE_GC_GRACE_S, "--dry-run")
+        assert {f"{prefix}{line.split()[2]}" for line in dry.splitlines() if line.startswith("would remove ")} \
+            == garbage, dry
+        assert garbage <= set(_keys(s3c, bucket, prefix)), "a dry run removed blobs"
+
+        # A publish in flight: a sandbox from snap2 (reusing L2, L1) snapshotted while GC runs in a loop.
+        pub = Sandbox.create(snap2.snapshot_id, timeout=TIMEOUT_S, **oa)
+        ids.append(pub.sandbox_id)
+        a_srv.known_ids.add(pub.sandbox_id)
+        pub.files.write(f"{WORK}/four.txt", "4")
+        # 96 MiB of new data: sealing and uploading it keeps the publish in flight for a few seconds
+        assert pub.commands.run(f"head -c 96M /dev/urandom > {WORK}/big.bin").exit_code == 0
+        result: dict = {}
+
+        def publish() -> None:
+            try:
+                result["snap"] = pub.create_snapshot()
+            except Exception as e:  # noqa: BLE001 - reported below
+                result["error"] = e
+            result["done"] = time.monotonic()
+
+        runs: list[tuple[str, float]] = []
+        started: list[float] = []
+        t = threading.Thread(target=publish)
+        t.start()
+        while t.is_alive() or not runs:
+            started.append(time.monotonic())
+            runs.append(_gc_store(a_srv, STORE_GC_GRACE_S))
+        t.join()
+        assert "error" not in result, result
+        # at least one whole GC run (list, mark, sweep) happened while the publish was in flight
+        assert sum(1 for s in started if s < result["done"]) >= 2, (started, result["done"])
+        for out, secs in runs:
+            print(f"gc --store ({secs:.2f}s): {out.strip().splitlines()[-1]}")
+        removed = {line.split()[1] for out, _ in runs for line in out.splitlines() if line.startswith("removed ")}
+        assert {f"{prefix}{k}" for k in removed} == garbage, ([o for o, _ in runs], garbage)
+        keys = set(_keys(s3c, bucket, prefix))
+        assert not garbage & keys, garbage & keys
+        m4 = _manifest(s3c, bucket, prefix, result["snap"].snapshot_id)
+        assert m4["layers"][1:] == m2["layers"], (m2, m4)
+        needed = kept | {f"{prefix}layers/{d}" for d in m4["layers"]} | {f"{prefix}memory/{m4['memory']}"}
+        assert needed <= keys, needed - keys
+        Sandbox.kill(pub.sandbox_id, **oa)
+        ids.clear()
+
+        # Both restore on server B, which has none of them cached: everything comes from S3.
+        for snap, files in ((result["snap"], {"one": "1", "two": "2", "four": "4"}), (snap2, {"one": "1", "two": "2"})):
+            c = Sandbox.create(snap.snapshot_id, timeout=TIMEOUT_S, **ob)
+            b_srv.known_ids.add(c.sandbox_id)
+            try:
+                assert {f: c.files.read(f"{WORK}/{f}.txt") for f in files} == files
+            finally:
+                Sandbox.kill(c.sandbox_id, **ob)
+        again, secs = _gc_store(a_srv, 0)  # nothing referenced goes, even with no grace at all
+        print(f"gc --store --grace 0 ({secs:.2f}s): {again.strip().splitlines()[-1]}")
+        assert needed <= set(_keys(s3c, bucket, prefix))
+    finally:
+        for sid in ids:
+            try:
+                Sandbox.kill(sid, **oa)
+            except Exception:  # noqa: BLE001
+                pass
