@@ -68,6 +68,8 @@ class TimeTravel:
         got = await self.captures.locked(sid, req.team_id, "checkpoint", then=commit)
         self.captures.release(got)
         snap: SnapshotRecord = got.result
+        if got.memory not in self.host.pinned():  # the source runs on: a rollback rebuilds it from its pages
+            await self.host.artifacts.drop_extracted(got.memory)
         log.info("checkpoint %s of %s (parent %s) in %.3fs, source frozen %s", snap.snapshot_id, sid,
                  snap.parent_id, time.monotonic() - t0,
                  f"{got.frozen_s:.3f}s" if got.frozen_s is not None else "and restarted")

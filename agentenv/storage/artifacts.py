@@ -3,8 +3,15 @@
 Artifacts are content-addressed by the sha256 of their tar stream:
 - layers: a sealed writable upper. Kept extracted at `<data>/layers/<digest>/` (used directly as an
   overlay lower by every sandbox whose chain includes it) and as a tar in `<data>/cache/layers/`.
-- memory: a runtime checkpoint image. Kept extracted at `<data>/memory/<digest>/` (the image path a
-  restore reads) and as a tar in `<data>/cache/memory/`.
+- memory: a runtime checkpoint image, stored deduplicated in 4 KiB pages (`pagestore`): its local
+  blob `<data>/cache/memory/<digest>` is a *recipe* (the digest is the recipe's sha256) whose pages
+  live in shared pack files under `<data>/pages/`, so a checkpoint that changed little since its
+  parent costs about the pages it changed. `<data>/memory/<digest>/` (the image path a restore
+  reads) is a cache rebuilt from the recipe on demand (`ensure_memory`): sealing keeps it (the
+  caller may restore from it at once), `drop_extracted` and the size budget remove it. Images
+  pulled from a snapshot store, and those sealed before page storage, are tars (kept as before).
+  A snapshot store that is not this node's own directory receives a whole image (a tar, produced
+  on upload) under the same digest; a node-local store receives the recipe (a hard link).
 
 - drives: a read-only VM drive (the guest's root or tools ext4) a memory image needs, because the
   guest kernel inside it has that exact drive's blocks cached. A memory image names them in its
@@ -33,12 +40,14 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
 from agentenv.errors import NotFound
 from agentenv.models import SnapshotRecord
 from agentenv.storage import layers as layer_tar
+from agentenv.storage.pagestore import PageStore, Recipe, is_recipe
 from agentenv.storage.snapshots import LocalSnapshotStore, SnapshotStore
 
 log = logging.getLogger("agentenv.storage.artifacts")
@@ -68,6 +77,7 @@ class ArtifactCache:
         self.store = store
         self.local = LocalSnapshotStore(self.root / "cache")  # tars, by kind/digest
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.pages = PageStore(self.root / "pages")
 
     # ---------------------------------------------------------------- use stamps and the size budget
 
@@ -93,17 +103,9 @@ class ArtifactCache:
         return drive_path(self.root, digest).parent if kind == "drives" else self.root / kind / digest
 
     def _size(self, kind: str, digest: str) -> int:
-        total = 0
         blob = self.local.blob_path(kind, digest)
-        if blob.exists():
-            total += blob.stat().st_blocks * 512
-        for dirpath, _dirs, files in os.walk(self._extracted(kind, digest)):
-            for f in files:
-                try:
-                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-                except OSError:
-                    pass
-        return total
+        total = blob.stat().st_blocks * 512 if blob.exists() else 0
+        return total + self._size_of_dir(self._extracted(kind, digest))
 
     def cached(self) -> list[tuple[str, str]]:
         """Every (kind, digest) this node caches: layers, memory images, pulled drives."""
@@ -125,14 +127,20 @@ class ArtifactCache:
         total = sum(sizes.values())
         if total <= max_bytes:
             return []
-        drives_needed = {e.get("digest") for m in memory_needed
-                         for e in self.required_drives(self.memory_dir(m)).values()}
+        drives_needed = {e.get("digest") for m in memory_needed for e in self.requires_of(m).values()}
         needed = {"layers": layers_needed, "memory": memory_needed, "drives": drives_needed}
         evicted: list[str] = []
         for kind, digest in sorted(entries, key=lambda e: self._last_used(*e)):
             if total <= max_bytes:
                 break
-            if digest in needed[kind] or not await self.store.has_blob(kind, digest):
+            if digest in needed[kind]:
+                continue
+            if kind == "memory" and self.has_recipe(digest):  # only the rebuildable cache goes
+                if self.memory_dir(digest).exists():
+                    total -= await self._drop_extracted(digest)
+                    evicted.append(f"{kind}/{digest}")
+                continue
+            if not await self.store.has_blob(kind, digest):
                 continue
             async with self._locks[digest]:
                 shutil.rmtree(self._extracted(kind, digest), ignore_errors=True)
@@ -154,6 +162,56 @@ class ArtifactCache:
     def memory_dir(self, digest: str) -> Path:
         return self.root / "memory" / digest
 
+    def has_recipe(self, digest: str) -> bool:
+        """The memory image `digest` is stored here as a recipe of deduplicated pages."""
+        return is_recipe(self.local.blob_path("memory", digest))
+
+    def memory_size(self, digest: str) -> int:
+        """The size of the memory image `digest` (its files' sizes), as stored here."""
+        blob = self.local.blob_path("memory", digest)
+        if is_recipe(blob):
+            return Recipe.load(blob).size
+        return blob.stat().st_size
+
+    def requires_of(self, digest: str) -> dict[str, dict]:
+        """`required_drives` of the memory image `digest`, from its extracted copy or its recipe."""
+        image = self.memory_dir(digest)
+        if image.is_dir():
+            return self.required_drives(image)
+        blob = self.local.blob_path("memory", digest)
+        if not is_recipe(blob):
+            return {}
+        recipe = Recipe.load(blob)
+        for f in recipe.files:
+            if f["path"] == REQUIRES_FILE:
+                with tempfile.TemporaryDirectory(dir=self._tmp_dir()) as tmp:
+                    self.pages.materialize(Recipe([f]), Path(tmp))
+                    return self.required_drives(Path(tmp))
+        return {}
+
+    async def drop_extracted(self, digest: str) -> None:
+        """Remove the extracted copy of a memory image stored as a recipe (rebuilt when next needed).
+        The caller makes sure nothing is about to restore from it (pins)."""
+        if self.has_recipe(digest):
+            await self._drop_extracted(digest)
+
+    async def _drop_extracted(self, digest: str) -> int:
+        size = await asyncio.to_thread(self._size_of_dir, self.memory_dir(digest))
+        async with self._locks[digest]:
+            await asyncio.to_thread(shutil.rmtree, self.memory_dir(digest), True)
+        return size
+
+    @staticmethod
+    def _size_of_dir(path: Path) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+                except OSError:
+                    pass
+        return total
+
     # ---------------------------------------------------------------- sealing
 
     async def seal_upper(self, upper: Path) -> str | None:
@@ -167,9 +225,31 @@ class ArtifactCache:
         return await self._seal("layers", upper, self.layer_dir)
 
     async def seal_memory(self, image_dir: Path) -> str:
-        """Turn a checkpoint image dir into a memory artifact; returns its digest."""
+        """Turn a checkpoint image dir into a memory artifact; returns its digest.
+
+        Its pages go to the page store (those not stored yet) and its recipe becomes the local blob,
+        durably, before `image_dir` moves to the image's extracted place (a rename, no copy)."""
         await self._seal_required_drives(image_dir)
-        return await self._seal("memory", image_dir, self.memory_dir, sparse=True)
+        t0 = time.monotonic()
+        digest, recipe, new = await asyncio.to_thread(self.pages.seal, image_dir,
+                                                      lambda d: self.local.blob_path("memory", d))
+        self.touch("memory", digest)
+        log.info("sealed memory image %s: %d MiB, %d MiB of it new pages, in %.2fs", digest[:12],
+                 recipe.size >> 20, new >> 20, time.monotonic() - t0)
+        async with self._locks[digest]:
+            dst = self.memory_dir(digest)
+            if dst.exists():
+                await asyncio.to_thread(shutil.rmtree, image_dir, True)
+                return digest
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(image_dir, dst)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                # on another filesystem (a per-sandbox disk image): rebuilt from the recipe when needed
+                await asyncio.to_thread(shutil.rmtree, image_dir, True)
+        return digest
 
     async def _seal_required_drives(self, image_dir: Path) -> None:
         """Give every drive the image requires a digest (sealing the drive once per node)."""
@@ -268,8 +348,27 @@ class ArtifactCache:
                 log.info("downloading %s/%s from the %s snapshot store", kind, digest[:12], self.store.name)
                 await self.store.get_blob(kind, digest, tmp)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            await layer_tar.unpack(self.local.blob_path(kind, digest), dst)
+            blob = self.local.blob_path(kind, digest)
+            if kind == "memory" and is_recipe(blob):
+                await self._materialize(blob, dst)
+            else:
+                await layer_tar.unpack(blob, dst)
         return dst
+
+    async def _materialize(self, recipe_file: Path, dst: Path) -> None:
+        """Rebuild an image from its recipe beside `dst`, then rename it into place."""
+        tmp = dst.with_name(f".{dst.name}.extract")
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        t0 = time.monotonic()
+        try:
+            recipe = Recipe.load(recipe_file)
+            await asyncio.to_thread(self.pages.materialize, recipe, tmp)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            raise
+        os.replace(tmp, dst)
+        log.info("rebuilt memory image %s (%d MiB) from its pages in %.2fs", dst.name[:12], recipe.size >> 20,
+                 time.monotonic() - t0)
 
     async def ensure_layer(self, digest: str) -> Path:
         return await self._ensure("layers", digest, self.layer_dir(digest))
@@ -298,12 +397,36 @@ class ArtifactCache:
         if snap.memory_digest:
             blobs += self._drive_blobs(snap.memory_digest) + [("memory", snap.memory_digest)]
         for kind, digest in blobs:  # put_blob skips blobs the store already has
-            await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
+            await self._upload(kind, digest)
         await self.store.put_manifest(snap.snapshot_id, snap.to_manifest())
 
     def _drive_blobs(self, memory_digest: str) -> list[tuple[str, str]]:
-        return [("drives", e["digest"]) for e in self.required_drives(self.memory_dir(memory_digest)).values()
-                if e.get("digest")]
+        return [("drives", e["digest"]) for e in self.requires_of(memory_digest).values() if e.get("digest")]
+
+    def _store_is_mine(self) -> bool:
+        """The snapshot store is a directory inside this node's data dir (the single-node default):
+        it can hold a recipe whose pages are in this node's page store."""
+        if not isinstance(self.store, LocalSnapshotStore):
+            return False
+        return self.store.root.resolve().is_relative_to(self.root.resolve())
+
+    async def _upload(self, kind: str, digest: str) -> None:
+        """Put a local blob into the store. A memory recipe goes as is to this node's own store and
+        as a whole image (a tar of the rebuilt image, under the same digest) to any other."""
+        blob = self.local.blob_path(kind, digest)
+        if kind != "memory" or self._store_is_mine() or not is_recipe(blob):
+            await self.store.put_blob(kind, digest, blob)
+            return
+        if await self.store.has_blob(kind, digest):
+            return
+        image = await self.ensure_memory(digest)
+        fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".tar")
+        os.close(fd)
+        try:
+            await layer_tar.pack(image, Path(tmp), sparse=True)
+            await self.store.put_blob(kind, digest, Path(tmp))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
 
     async def publish_blobs(self, layers: list[str], memory: str | None) -> None:
         """Upload blobs (without a manifest): a paused sandbox's state for other nodes to resume."""
@@ -312,7 +435,7 @@ class ArtifactCache:
             blobs += self._drive_blobs(memory) + [("memory", memory)]
         for kind, digest in blobs:
             if await self.local.has_blob(kind, digest):
-                await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
+                await self._upload(kind, digest)
             elif not await self.store.has_blob(kind, digest):
                 raise NotFound(f"{kind} {digest[:12]} is neither on this node nor in the snapshot store")
 
@@ -340,7 +463,21 @@ class ArtifactCache:
                     await self.local.delete_blob(kind, d)
                     self._stamp(kind, d).unlink(missing_ok=True)
                     removed[kind] += 1
+        if removed["memory"]:  # pages only an unreferenced recipe used: reclaim them
+            removed.update(await asyncio.to_thread(self.pages.sweep, self._recipes))
         return removed
+
+    def _recipes(self) -> list[Path]:
+        """Every memory recipe of this node (the live roots of the page store): the local blobs and
+        those in this node's own snapshot store."""
+        dirs = [self.local.root / "memory"]
+        if self._store_is_mine():
+            dirs.append(self.store.root / "memory")  # type: ignore[attr-defined]
+        out = []
+        for d in dirs:
+            if d.is_dir():
+                out += [p for p in d.iterdir() if not p.name.startswith(".") and is_recipe(p)]
+        return out
 
     async def delete_from_store(self, snap: SnapshotRecord, others: list[SnapshotRecord]) -> None:
         """Delete a snapshot's manifest first (it disappears at once), then blobs no other uses."""
