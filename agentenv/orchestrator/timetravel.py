@@ -105,6 +105,8 @@ class TimeTravel:
                 await self.lifecycle.settle(rec, final)
         finally:
             self.host.unpin(snap.memory_digest)
+        if snap.memory_digest not in self.host.pinned():  # restored: rebuilt from its pages when next needed
+            await self.host.artifacts.drop_extracted(snap.memory_digest)
         log.info("rolled %s back to %s in %.3fs", sid, snap.snapshot_id, time.monotonic() - t0)
         await self._gc()
         return replace(rec)
