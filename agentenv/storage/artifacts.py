@@ -189,16 +189,21 @@ class ArtifactCache:
                     return self.required_drives(Path(tmp))
         return {}
 
-    async def drop_extracted(self, digest: str) -> None:
-        """Remove the extracted copy of a memory image stored as a recipe (rebuilt when next needed).
-        The caller makes sure nothing is about to restore from it (pins)."""
+    async def drop_extracted(self, digest: str, in_use=lambda: False) -> None:
+        """Remove the extracted copy of a memory image stored as a recipe (rebuilt when next needed),
+        unless `in_use()` (checked under the image's lock, e.g. a pin taken meanwhile) says otherwise."""
         if self.has_recipe(digest):
-            await self._drop_extracted(digest)
+            await self._drop_extracted(digest, in_use)
 
-    async def _drop_extracted(self, digest: str) -> int:
-        size = await asyncio.to_thread(self._size_of_dir, self.memory_dir(digest))
+    async def _drop_extracted(self, digest: str, in_use=lambda: False) -> int:
+        dst = self.memory_dir(digest)
+        size = await asyncio.to_thread(self._size_of_dir, dst)
         async with self._locks[digest]:
-            await asyncio.to_thread(shutil.rmtree, self.memory_dir(digest), True)
+            if in_use() or not dst.exists():
+                return 0
+            trash = dst.with_name(f".drop-{digest}-{os.getpid()}")
+            os.replace(dst, trash)  # at once: a concurrent ensure_memory rebuilds it, never sees it half gone
+        await asyncio.to_thread(shutil.rmtree, trash, True)
         return size
 
     @staticmethod
@@ -455,6 +460,8 @@ class ArtifactCache:
         for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
                                      ("memory", memory_in_use, self.memory_dir)):
             base = self.root / kind
+            for trash in base.glob(".drop-*") if base.exists() else ():  # a crash mid-drop
+                shutil.rmtree(trash, ignore_errors=True)
             digests = {p.name for p in base.iterdir() if not p.name.startswith(".")} if base.exists() else set()
             digests |= set(await self.local.list_blobs(kind))
             for d in digests - in_use:
