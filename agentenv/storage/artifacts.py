@@ -162,6 +162,10 @@ class ArtifactCache:
     def memory_dir(self, digest: str) -> Path:
         return self.root / "memory" / digest
 
+    def has_memory(self, digest: str) -> bool:
+        """The memory image `digest` is on this node: extracted, or as a recipe (`ensure_memory`)."""
+        return self.memory_dir(digest).is_dir() or self.has_recipe(digest)
+
     def has_recipe(self, digest: str) -> bool:
         """The memory image `digest` is stored here as a recipe of deduplicated pages."""
         return is_recipe(self.local.blob_path("memory", digest))
