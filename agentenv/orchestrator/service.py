@@ -221,6 +221,7 @@ class Orchestrator:
 
     async def gc_artifacts(self) -> dict[str, int]:
         """Drop local layers / memory images that no sandbox, snapshot or restore in flight uses."""
+        since = time.time()  # what is sealed from here on may be missing from the sets below: kept
         layers, memory = self.warm.artifacts_in_use()
         p_layers, p_memory = self.pool.artifacts_in_use()
         layers |= p_layers | self.host.pinned_layers()
@@ -238,7 +239,7 @@ class Orchestrator:
             layers.update(snap.layers)
             if snap.memory_digest:
                 memory.add(snap.memory_digest)
-        removed = await self.host.artifacts.gc(layers, memory)
+        removed = await self.host.artifacts.gc(layers, memory, in_use_since=since)
         if self.settings.artifact_cache_max_mb:
             evicted = await self.host.artifacts.enforce_budget(self.settings.artifact_cache_max_mb << 20, *needed_here)
             removed["evicted"] = len(evicted)

@@ -458,8 +458,12 @@ class ArtifactCache:
 
     # ---------------------------------------------------------------- garbage collection
 
-    async def gc(self, layers_in_use: set[str], memory_in_use: set[str]) -> dict[str, int]:
-        """Remove local artifacts nothing references (blobs in the store are handled by delete)."""
+    async def gc(self, layers_in_use: set[str], memory_in_use: set[str], *,
+                 in_use_since: float | None = None) -> dict[str, int]:
+        """Remove local artifacts nothing references (blobs in the store are handled by delete).
+
+        `in_use_since`: the wall-clock time the caller began collecting the in-use sets; an artifact
+        sealed after (or just before) it may be missing from them (sealed, not pinned yet): kept."""
         removed = {"layers": 0, "memory": 0}
         for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
                                      ("memory", memory_in_use, self.memory_dir)):
@@ -469,6 +473,8 @@ class ArtifactCache:
             digests = {p.name for p in base.iterdir() if not p.name.startswith(".")} if base.exists() else set()
             digests |= set(await self.local.list_blobs(kind))
             for d in digests - in_use:
+                if in_use_since is not None and self._sealed_after(kind, d, in_use_since - 2.0):
+                    continue
                 async with self._locks[d]:
                     shutil.rmtree(dir_of(d), ignore_errors=True)
                     await self.local.delete_blob(kind, d)
@@ -477,6 +483,13 @@ class ArtifactCache:
         if removed["memory"]:  # pages only an unreferenced recipe used: reclaim them
             removed.update(await asyncio.to_thread(self.pages.sweep, self._recipes))
         return removed
+
+    def _sealed_after(self, kind: str, digest: str, t: float) -> bool:
+        blob = self.local.blob_path(kind, digest)
+        try:
+            return (blob if blob.exists() else self._extracted(kind, digest)).stat().st_mtime > t
+        except OSError:
+            return False
 
     def _recipes(self) -> list[Path]:
         """Every memory recipe of this node (the live roots of the page store): the local blobs and
