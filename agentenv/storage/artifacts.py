@@ -34,6 +34,7 @@ start a sandbox from a snapshot that exists only in the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -78,6 +79,8 @@ class ArtifactCache:
         self.local = LocalSnapshotStore(self.root / "cache")  # tars, by kind/digest
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.pages = PageStore(self.root / "pages")
+        self._active: list[float] = []  # start times of the seals under way
+        self._fresh: dict[str, float] = {}  # digest -> when its seal returned (its caller pins it then)
 
     # ---------------------------------------------------------------- use stamps and the size budget
 
@@ -231,13 +234,31 @@ class ArtifactCache:
         if _empty_upper(upper):
             shutil.rmtree(upper, ignore_errors=True)
             return None
-        return await self._seal("layers", upper, self.layer_dir)
+        with self._sealing():
+            digest = await self._seal("layers", upper, self.layer_dir)
+            self._fresh[digest] = time.time()
+        return digest
+
+    @contextlib.contextmanager
+    def _sealing(self):
+        t = time.time()
+        self._active.append(t)
+        try:
+            yield
+        finally:
+            self._active.remove(t)
 
     async def seal_memory(self, image_dir: Path) -> str:
         """Turn a checkpoint image dir into a memory artifact; returns its digest.
 
         Its pages go to the page store (those not stored yet) and its recipe becomes the local blob,
         durably, before `image_dir` moves to the image's extracted place (a rename, no copy)."""
+        with self._sealing():
+            digest = await self._seal_memory(image_dir)
+            self._fresh[digest] = time.time()
+        return digest
+
+    async def _seal_memory(self, image_dir: Path) -> str:
         await self._seal_required_drives(image_dir)
         t0 = time.monotonic()
         digest, recipe, new = await asyncio.to_thread(self.pages.seal, image_dir,
@@ -463,7 +484,9 @@ class ArtifactCache:
         """Remove local artifacts nothing references (blobs in the store are handled by delete).
 
         `in_use_since`: the wall-clock time the caller began collecting the in-use sets; an artifact
-        sealed after (or just before) it may be missing from them (sealed, not pinned yet): kept."""
+        whose seal returned after it (its caller pins it at once, maybe too late for those sets), or
+        written by a seal still under way, is kept."""
+        self._fresh = {d: t for d, t in self._fresh.items() if t > time.time() - 3600}
         removed = {"layers": 0, "memory": 0}
         for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
                                      ("memory", memory_in_use, self.memory_dir)):
@@ -473,7 +496,7 @@ class ArtifactCache:
             digests = {p.name for p in base.iterdir() if not p.name.startswith(".")} if base.exists() else set()
             digests |= set(await self.local.list_blobs(kind))
             for d in digests - in_use:
-                if in_use_since is not None and self._sealed_after(kind, d, in_use_since - 2.0):
+                if in_use_since is not None and self._maybe_unclaimed(kind, d, in_use_since):
                     continue
                 async with self._locks[d]:
                     shutil.rmtree(dir_of(d), ignore_errors=True)
@@ -484,10 +507,14 @@ class ArtifactCache:
             removed.update(await asyncio.to_thread(self.pages.sweep, self._recipes))
         return removed
 
-    def _sealed_after(self, kind: str, digest: str, t: float) -> bool:
+    def _maybe_unclaimed(self, kind: str, digest: str, since: float) -> bool:
+        if self._fresh.get(digest, 0.0) >= since:
+            return True
+        if not self._active:
+            return False
         blob = self.local.blob_path(kind, digest)
         try:
-            return (blob if blob.exists() else self._extracted(kind, digest)).stat().st_mtime > t
+            return blob.stat().st_mtime >= min(self._active) - 1.0  # written by a seal under way
         except OSError:
             return False
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 from agentenv.storage.artifacts import ArtifactCache
@@ -75,6 +76,26 @@ def test_memory_images_share_pages_and_rebuild(tmp_path):
         _same(await cache.ensure_memory(d1), {"pages.img": base, "checkpoint.img": b"state-1"})
         # and with nothing left, nothing is stored
         await cache.gc(set(), set())
+        assert cache.pages.stored_bytes() == 0
+
+    asyncio.run(go())
+
+
+def test_gc_keeps_what_was_sealed_after_the_in_use_sets_were_taken(tmp_path):
+    """A collection whose in-use sets were taken before a seal returned (its caller had no chance to
+    pin it yet) keeps the fresh layer and memory image; a later one removes them if unreferenced."""
+    async def go():
+        cache = ArtifactCache(tmp_path / "node", LocalSnapshotStore(tmp_path / "node" / "snapshots"))
+        taken = time.time()
+        mem = await cache.seal_memory(_image(tmp_path / "img", os.urandom(MB), b"s"))
+        upper = tmp_path / "upper"
+        upper.mkdir()
+        (upper / "f").write_bytes(b"x")
+        layer = await cache.seal_upper(upper)
+        assert await cache.gc(set(), set(), in_use_since=taken) == {"layers": 0, "memory": 0}
+        assert cache.has_memory(mem) and cache.layer_dir(layer).is_dir()
+        removed = await cache.gc(set(), set(), in_use_since=time.time())
+        assert removed["layers"] == 1 and removed["memory"] == 1 and not cache.has_memory(mem)
         assert cache.pages.stored_bytes() == 0
 
     asyncio.run(go())
