@@ -22,9 +22,15 @@ Artifacts are content-addressed by the sha256 of their tar stream:
   per guest build); pulled ones are, like layers and memory images, by the size budget below.
 
 The size budget (`enforce_budget`, `Settings.artifact_cache_max_mb`): when the cached artifacts of
-a node (tar + extracted copy; pulled drives) exceed it, those the snapshot store also holds and no
-sandbox, warm image or restore of this node needs are removed, least recently used first; the
-next use pulls them again. Use is stamped at every `ensure_*` and seal (`<data>/cache/.used/`).
+a node (tar or recipe + extracted copy; pulled drives) exceed it, those the snapshot store also
+holds and no sandbox, warm image or restore of this node needs are removed, least recently used
+first; the next use pulls them again. Of a memory image stored here as pages only the extracted
+copy is removed (rebuilt on its next use; the page packs are not counted). Use is stamped at every
+`ensure_*` and seal (`<data>/cache/.used/`).
+
+Garbage collection (`gc`): local artifacts no longer referenced are removed, then the page store
+is swept (mark-and-sweep over the remaining recipes). A collection never removes what a seal
+returned after the caller took its in-use sets (`in_use_since`), nor what a seal under way wrote.
 
 `publish` uploads a snapshot's blobs to the configured SnapshotStore and writes its manifest last;
 `ensure_*` pulls what a node lacks from the store on demand, so a node with an empty data dir can
