@@ -51,7 +51,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from agentenv.errors import NotFound
+from agentenv.errors import NotFound, RuntimeFailure
 from agentenv.models import SnapshotRecord
 from agentenv.storage import layers as layer_tar
 from agentenv.storage.pagestore import PageStore, Recipe, is_recipe
@@ -399,8 +399,10 @@ class ArtifactCache:
         try:
             recipe = Recipe.load(recipe_file)
             await asyncio.to_thread(self.pages.materialize, recipe, tmp)
-        except BaseException:
+        except BaseException as e:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
+            if isinstance(e, (OSError, ValueError)):
+                raise RuntimeFailure(f"memory image {dst.name[:12]} could not be rebuilt from its pages: {e}") from e
             raise
         os.replace(tmp, dst)
         log.info("rebuilt memory image %s (%d MiB) from its pages in %.2fs", dst.name[:12], recipe.size >> 20,
