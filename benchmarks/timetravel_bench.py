@@ -14,8 +14,11 @@ the raw baseline: `runsc checkpoint` of a bare container holding the same memory
 same fork and a checkpoint on a server whose captures stop the source (AGENTENV_CAPTURE_RUNNING=
 false, the previous behaviour). Writes benchmarks/results/timetravel-<timestamp>.json + .md.
 
-Disk: every checkpoint stores its memory image (≈ --mib) twice today (the extracted image and its
-blob); 100 steps of 256 MiB need ~55 GB. --steps scales it down; per-step numbers extrapolate.
+Disk: memory images are stored as deduplicated 4 KiB pages (agentenv/storage/pagestore.py), so a
+step costs about the pages it changed plus its recipe (~0.4% of the image); the report gives the
+bytes stored per step, the new pages each seal wrote, the time to rebuild an image for a rollback,
+and what deleting all the checkpoints gave back. Before page storage a step stored its image twice
+(≈ 2 x --mib). --steps scales the run down; per-step numbers extrapolate.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def disk_bytes(root: Path) -> int:
     """Blocks allocated under the data dir's artifact stores (each inode once)."""
     seen: set[int] = set()
     total = 0
-    for sub in ("memory", "layers", "cache", "snapshots"):
+    for sub in ("memory", "layers", "cache", "snapshots", "pages"):
         for dirpath, _dirs, files in os.walk(root / sub):
             for n in files:
                 try:
@@ -87,6 +90,16 @@ def disk_bytes(root: Path) -> int:
                     seen.add(st.st_ino)
                     total += st.st_blocks * 512
     return total
+
+
+def sealed_of(logtxt: str) -> list[tuple[float, float, float]]:
+    """(image MiB, new pages MiB, seconds) of every memory image sealed."""
+    return [(float(a), float(b), float(c)) for a, b, c in re.findall(
+        r"sealed memory image \w+: (\d+) MiB, (\d+) MiB of it new pages, in ([0-9.]+)s", logtxt)]
+
+
+def rebuilt_of(logtxt: str) -> list[float]:
+    return [float(x) for x in re.findall(r"rebuilt memory image \w+ \(\d+ MiB\) from its pages in ([0-9.]+)s", logtxt)]
 
 
 def frozen_of(logtxt: str) -> list[float]:
@@ -117,26 +130,33 @@ def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
             t0 = time.monotonic()
             ck = tt.checkpoint(sbx, metadata={"step": str(i + 1)})
             call = time.monotonic() - t0
-            fr = frozen_of(srv.log_since(mark))
+            logtxt = srv.log_since(mark)
+            fr = frozen_of(logtxt)
+            sealed = sealed_of(logtxt)
             grew = disk_bytes(srv.data_dir) - before
             ids.append(ck.checkpoint_id)
             rows.append({"step": i + 1, "checkpoint_call": call, "frozen": fr[0] if fr else None,
-                         "stored_bytes": grew, "size_bytes": ck.size_bytes})
-            bench.log(f"step {i + 1}: checkpoint {call:.2f}s, frozen {rows[-1]['frozen']}, +{grew >> 20} MiB")
+                         "stored_bytes": grew, "size_bytes": ck.size_bytes,
+                         "new_pages_mib": sealed[0][1] if sealed else None, "seal_s": sealed[0][2] if sealed else None})
+            bench.log(f"step {i + 1}: checkpoint {call:.2f}s, frozen {rows[-1]['frozen']}, +{grew >> 20} MiB "
+                      f"(new pages {rows[-1]['new_pages_mib']} MiB, sealed in {rows[-1]['seal_s']}s)")
         sharing = None
         if len(ids) >= 2:  # what a page-level store could share between the last two images
             mems = [json.loads((srv.data_dir / "snapshots" / "manifests" / f"{c}.json").read_text())["memory"]
                     for c in ids[-2:]]
-            sharing = page_sharing(*(srv.data_dir / "memory" / m / "pages.img" for m in mems))
+            files = [srv.data_dir / "memory" / m / "pages.img" for m in mems]
+            sharing = page_sharing(*files) if all(f.exists() for f in files) else None  # extracted copies dropped
             bench.log(f"pages shared by the last two memory images: {sharing}")
         rb = []
+        mark = srv.log_mark()
         for k in range(min(8, len(ids))):
             target = ids[(k * 7) % len(ids)]
             t0 = time.monotonic()
             tt.rollback(sbx, target)
             sbx.commands.run("true")
             rb.append(time.monotonic() - t0)
-        bench.log(f"rollback → first command: {bench.stats(rb)}")
+        rebuilt = rebuilt_of(srv.log_since(mark))
+        bench.log(f"rollback → first command: {bench.stats(rb)}; image rebuilt from pages: {bench.stats(rebuilt)}")
         mark = srv.log_mark()
         t0 = time.monotonic()
         snap = sbx.create_snapshot()
@@ -144,7 +164,17 @@ def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
         full = json.loads((srv.data_dir / "snapshots" / "manifests" / f"{snap.snapshot_id}.json").read_text())[
             "sizeBytes"]
         Sandbox.delete_snapshot(snap.snapshot_id)
+        held = disk_bytes(srv.data_dir)
+        for cid in ids:
+            tt.delete(cid)
+        deleted = ids[:]
+        ids.clear()
+        time.sleep(1)
+        freed = held - disk_bytes(srv.data_dir)
+        bench.log(f"deleting the {len(deleted)} checkpoints freed {freed >> 20} MiB of {held >> 20} MiB")
         return {"rows": rows, "rollback_to_first_command": bench.stats(rb), "snapshot_call": snap_call,
+                "rollback_rebuild": bench.stats(rebuilt) if rebuilt else None,
+                "deleted_all": {"held_bytes": held, "freed_bytes": freed},
                 "page_sharing": sharing,
                 "full_snapshot_frozen": (frozen_of(srv.log_since(mark)) or [None])[0],
                 "full_snapshot_size_bytes": full}
@@ -213,6 +243,11 @@ def page_sharing(older: Path, newer: Path) -> dict:
     return res
 
 
+def _mean(xs: list) -> str:
+    xs = [x for x in xs if x is not None]
+    return f"{sum(xs) / len(xs):.2f}" if xs else "-"
+
+
 def report(res: dict, args) -> str:
     rows = res["running"]["trajectory"]["rows"]
     later = rows[1:] or rows
@@ -231,7 +266,13 @@ def report(res: dict, args) -> str:
          f"{bench.s_(res['running']['trajectory']['rollback_to_first_command']['p95'])} |",
          "", f"Stored bytes per checkpoint (data dir growth, steps 2+): {per_step / 2**20:.0f} MiB; a full snapshot "
          f"of the same sandbox: {full / 2**20:.0f} MiB (ratio {per_step / full:.2f}); changed per step: "
-         f"{args.delta_mib} MiB of memory + 64 KiB of files.", "",
+         f"{args.delta_mib} MiB of memory + 64 KiB of files. Before page storage a checkpoint stored its memory "
+         f"image twice (≈ {2 * full / 2**20:.0f} MiB; ratio {per_step / (2 * full):.3f}).", "",
+         f"New pages per seal (steps 2+): {_mean([r.get('new_pages_mib') for r in later])} MiB; seal "
+         f"{_mean([r.get('seal_s') for r in rows])} s; image rebuilt for a rollback: "
+         f"{bench.s_((res['running']['trajectory'].get('rollback_rebuild') or {}).get('p50'))} (p50); deleting all checkpoints freed "
+         f"{res['running']['trajectory']['deleted_all']['freed_bytes'] / 2**20:.0f} MiB of "
+         f"{res['running']['trajectory']['deleted_all']['held_bytes'] / 2**20:.0f} MiB.", "",
          f"Pages of the last memory image found in its parent's: {res['running']['trajectory']['page_sharing']}", ""]
     L.append("| step | checkpoint call | frozen | stored |")
     L.append("|---|---|---|---|")

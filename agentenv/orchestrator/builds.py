@@ -208,7 +208,7 @@ class BuildExecutor:
                                     str(build.cpu_count), str(build.memory_mb), tools, build.runtime or "")
         forced = bool(spec.get("force")) or any(st.get("force") for st in steps)
         entry = None if forced else await self.store.get_cache_entry(commit_key)
-        if entry is not None and self.host.artifacts.memory_dir(entry["memory"]).is_dir() and all(
+        if entry is not None and self.host.artifacts.has_memory(entry["memory"]) and all(
                 self.host.artifacts.layer_dir(d).is_dir() for d in entry["layers"]):
             build.image, build.layers, build.memory_digest = entry["image"], list(entry["layers"]), entry["memory"]
             build.restore_token = entry["restoreToken"]

@@ -270,8 +270,9 @@ class Capture:
         (it stays in the cache: hard-linked) or else the unsealed image dir (moved)."""
         ckpt = self.host.checkpoint_dir(sandbox_id)
         shutil.rmtree(ckpt, ignore_errors=True)
-        if mem is not None:
-            await asyncio.to_thread(shutil.copytree, self.artifacts.memory_dir(mem), ckpt, copy_function=os.link)
+        if mem is not None:  # rebuilt from its pages if its extracted copy was dropped
+            await asyncio.to_thread(shutil.copytree, await self.artifacts.ensure_memory(mem), ckpt,
+                                    copy_function=os.link)
         else:
             assert image is not None
             os.replace(image, ckpt)

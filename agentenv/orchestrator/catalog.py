@@ -76,7 +76,7 @@ class SnapshotCatalog:
         sandbox_id = rec.sandbox_id
         size = sum(self.artifacts.local.blob_path("layers", d).stat().st_size for d in rec.layers)
         if memory:
-            size += self.artifacts.local.blob_path("memory", mem).stat().st_size
+            size += self.artifacts.memory_size(mem)
         snap = SnapshotRecord(
             snapshot_id=new_snapshot_id(), team_id=rec.team_id, names=[name] if name else [],
             source_sandbox_id=sandbox_id, template_id=rec.template_id, image=rec.image,

@@ -117,6 +117,9 @@ class Starts:
         elif snap is not None and snap.memory_digest:
             how = "snapshot"
             await self.spawn_restored(rec, snap.memory_digest, restore_token=snap.restore_token)
+            if snap.kind == "checkpoint":  # a branch: like a rollback, the image is rebuilt when next needed
+                digest = snap.memory_digest
+                await self.host.artifacts.drop_extracted(digest, lambda: digest in self.host.pinned())
         elif snap is not None:
             how = "snapshot (boot)"
             await self.spawn(rec)  # a filesystem-only snapshot: boot fresh on its layers

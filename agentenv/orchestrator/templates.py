@@ -172,7 +172,8 @@ class TemplateService:
             return False
         for kind, digest, local in ([("layers", d, arts.layer_dir(d)) for d in build.layers]
                                     + [("memory", build.memory_digest, arts.memory_dir(build.memory_digest))]):
-            if not local.is_dir() and not (self.publish and await arts.store.has_blob(kind, digest)):
+            here = local.is_dir() or (kind == "memory" and arts.has_recipe(digest))
+            if not here and not (self.publish and await arts.store.has_blob(kind, digest)):
                 return False
         return True
 

@@ -68,6 +68,8 @@ class TimeTravel:
         got = await self.captures.locked(sid, req.team_id, "checkpoint", then=commit)
         self.captures.release(got)
         snap: SnapshotRecord = got.result
+        # the source runs on: a rollback or branch rebuilds the image from its pages
+        await self.host.artifacts.drop_extracted(got.memory, lambda: got.memory in self.host.pinned())
         log.info("checkpoint %s of %s (parent %s) in %.3fs, source frozen %s", snap.snapshot_id, sid,
                  snap.parent_id, time.monotonic() - t0,
                  f"{got.frozen_s:.3f}s" if got.frozen_s is not None else "and restarted")
@@ -103,6 +105,8 @@ class TimeTravel:
                 await self.lifecycle.settle(rec, final)
         finally:
             self.host.unpin(snap.memory_digest)
+        # restored: rebuilt from its pages when next needed
+        await self.host.artifacts.drop_extracted(snap.memory_digest, lambda: snap.memory_digest in self.host.pinned())
         log.info("rolled %s back to %s in %.3fs", sid, snap.snapshot_id, time.monotonic() - t0)
         await self._gc()
         return replace(rec)

@@ -68,7 +68,7 @@ class WarmImages:
             meta = json.loads(self._meta_path(tmpl).read_text())
         except (OSError, ValueError):
             return None
-        if meta.get("key") != key or not self.artifacts.memory_dir(meta["memory"]).is_dir() or not all(
+        if meta.get("key") != key or not self.artifacts.has_memory(meta["memory"]) or not all(
                 self.artifacts.layer_dir(d).is_dir() for d in meta.get("layers", [])):
             return None
         return meta

@@ -3,8 +3,15 @@
 Artifacts are content-addressed by the sha256 of their tar stream:
 - layers: a sealed writable upper. Kept extracted at `<data>/layers/<digest>/` (used directly as an
   overlay lower by every sandbox whose chain includes it) and as a tar in `<data>/cache/layers/`.
-- memory: a runtime checkpoint image. Kept extracted at `<data>/memory/<digest>/` (the image path a
-  restore reads) and as a tar in `<data>/cache/memory/`.
+- memory: a runtime checkpoint image, stored deduplicated in 4 KiB pages (`pagestore`): its local
+  blob `<data>/cache/memory/<digest>` is a *recipe* (the digest is the recipe's sha256) whose pages
+  live in shared pack files under `<data>/pages/`, so a checkpoint that changed little since its
+  parent costs about the pages it changed. `<data>/memory/<digest>/` (the image path a restore
+  reads) is a cache rebuilt from the recipe on demand (`ensure_memory`): sealing keeps it (the
+  caller may restore from it at once), `drop_extracted` and the size budget remove it. Images
+  pulled from a snapshot store, and those sealed before page storage, are tars (kept as before).
+  A snapshot store that is not this node's own directory receives a whole image (a tar, produced
+  on upload) under the same digest; a node-local store receives the recipe (a hard link).
 
 - drives: a read-only VM drive (the guest's root or tools ext4) a memory image needs, because the
   guest kernel inside it has that exact drive's blocks cached. A memory image names them in its
@@ -15,9 +22,15 @@ Artifacts are content-addressed by the sha256 of their tar stream:
   per guest build); pulled ones are, like layers and memory images, by the size budget below.
 
 The size budget (`enforce_budget`, `Settings.artifact_cache_max_mb`): when the cached artifacts of
-a node (tar + extracted copy; pulled drives) exceed it, those the snapshot store also holds and no
-sandbox, warm image or restore of this node needs are removed, least recently used first; the
-next use pulls them again. Use is stamped at every `ensure_*` and seal (`<data>/cache/.used/`).
+a node (tar or recipe + extracted copy; pulled drives) exceed it, those the snapshot store also
+holds and no sandbox, warm image or restore of this node needs are removed, least recently used
+first; the next use pulls them again. Of a memory image stored here as pages only the extracted
+copy is removed (rebuilt on its next use; the page packs are not counted). Use is stamped at every
+`ensure_*` and seal (`<data>/cache/.used/`).
+
+Garbage collection (`gc`): local artifacts no longer referenced are removed, then the page store
+is swept (mark-and-sweep over the remaining recipes). A collection never removes what a seal
+returned after the caller took its in-use sets (`fresh_since`), nor what a seal under way wrote.
 
 `publish` uploads a snapshot's blobs to the configured SnapshotStore and writes its manifest last;
 `ensure_*` pulls what a node lacks from the store on demand, so a node with an empty data dir can
@@ -27,18 +40,21 @@ start a sandbox from a snapshot that exists only in the store.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
-from agentenv.errors import NotFound
+from agentenv.errors import NotFound, RuntimeFailure
 from agentenv.models import SnapshotRecord
 from agentenv.storage import layers as layer_tar
+from agentenv.storage.pagestore import PageStore, Recipe, is_recipe
 from agentenv.storage.snapshots import LocalSnapshotStore, SnapshotStore
 
 log = logging.getLogger("agentenv.storage.artifacts")
@@ -68,6 +84,9 @@ class ArtifactCache:
         self.store = store
         self.local = LocalSnapshotStore(self.root / "cache")  # tars, by kind/digest
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.pages = PageStore(self.root / "pages")
+        self._active: list[float] = []  # start times of the seals under way
+        self._fresh: dict[str, float] = {}  # digest -> when its seal returned (its caller pins it then)
 
     # ---------------------------------------------------------------- use stamps and the size budget
 
@@ -93,17 +112,9 @@ class ArtifactCache:
         return drive_path(self.root, digest).parent if kind == "drives" else self.root / kind / digest
 
     def _size(self, kind: str, digest: str) -> int:
-        total = 0
         blob = self.local.blob_path(kind, digest)
-        if blob.exists():
-            total += blob.stat().st_blocks * 512
-        for dirpath, _dirs, files in os.walk(self._extracted(kind, digest)):
-            for f in files:
-                try:
-                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-                except OSError:
-                    pass
-        return total
+        total = blob.stat().st_blocks * 512 if blob.exists() else 0
+        return total + self._size_of_dir(self._extracted(kind, digest))
 
     def cached(self) -> list[tuple[str, str]]:
         """Every (kind, digest) this node caches: layers, memory images, pulled drives."""
@@ -125,14 +136,20 @@ class ArtifactCache:
         total = sum(sizes.values())
         if total <= max_bytes:
             return []
-        drives_needed = {e.get("digest") for m in memory_needed
-                         for e in self.required_drives(self.memory_dir(m)).values()}
+        drives_needed = {e.get("digest") for m in memory_needed for e in self.requires_of(m).values()}
         needed = {"layers": layers_needed, "memory": memory_needed, "drives": drives_needed}
         evicted: list[str] = []
         for kind, digest in sorted(entries, key=lambda e: self._last_used(*e)):
             if total <= max_bytes:
                 break
-            if digest in needed[kind] or not await self.store.has_blob(kind, digest):
+            if digest in needed[kind]:
+                continue
+            if kind == "memory" and self.has_recipe(digest):  # only the rebuildable cache goes
+                if self.memory_dir(digest).exists():
+                    total -= await self._drop_extracted(digest)
+                    evicted.append(f"{kind}/{digest}")
+                continue
+            if not await self.store.has_blob(kind, digest):
                 continue
             async with self._locks[digest]:
                 shutil.rmtree(self._extracted(kind, digest), ignore_errors=True)
@@ -154,6 +171,65 @@ class ArtifactCache:
     def memory_dir(self, digest: str) -> Path:
         return self.root / "memory" / digest
 
+    def has_memory(self, digest: str) -> bool:
+        """The memory image `digest` is on this node: extracted, or as a recipe (`ensure_memory`)."""
+        return self.memory_dir(digest).is_dir() or self.has_recipe(digest)
+
+    def has_recipe(self, digest: str) -> bool:
+        """The memory image `digest` is stored here as a recipe of deduplicated pages."""
+        return is_recipe(self.local.blob_path("memory", digest))
+
+    def memory_size(self, digest: str) -> int:
+        """The size of the memory image `digest` (its files' sizes), as stored here."""
+        blob = self.local.blob_path("memory", digest)
+        if is_recipe(blob):
+            return Recipe.load(blob).size
+        return blob.stat().st_size
+
+    def requires_of(self, digest: str) -> dict[str, dict]:
+        """`required_drives` of the memory image `digest`, from its extracted copy or its recipe."""
+        image = self.memory_dir(digest)
+        if image.is_dir():
+            return self.required_drives(image)
+        blob = self.local.blob_path("memory", digest)
+        if not is_recipe(blob):
+            return {}
+        recipe = Recipe.load(blob)
+        for f in recipe.files:
+            if f["path"] == REQUIRES_FILE:
+                with tempfile.TemporaryDirectory(dir=self._tmp_dir()) as tmp:
+                    self.pages.materialize(Recipe([f]), Path(tmp))
+                    return self.required_drives(Path(tmp))
+        return {}
+
+    async def drop_extracted(self, digest: str, in_use=lambda: False) -> None:
+        """Remove the extracted copy of a memory image stored as a recipe (rebuilt when next needed),
+        unless `in_use()` (checked under the image's lock, e.g. a pin taken meanwhile) says otherwise."""
+        if self.has_recipe(digest):
+            await self._drop_extracted(digest, in_use)
+
+    async def _drop_extracted(self, digest: str, in_use=lambda: False) -> int:
+        dst = self.memory_dir(digest)
+        size = await asyncio.to_thread(self._size_of_dir, dst)
+        async with self._locks[digest]:
+            if in_use() or not dst.exists():
+                return 0
+            trash = dst.with_name(f".drop-{digest}-{os.getpid()}")
+            os.replace(dst, trash)  # at once: a concurrent ensure_memory rebuilds it, never sees it half gone
+        await asyncio.to_thread(shutil.rmtree, trash, True)
+        return size
+
+    @staticmethod
+    def _size_of_dir(path: Path) -> int:
+        total = 0
+        for dirpath, _dirs, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
+                except OSError:
+                    pass
+        return total
+
     # ---------------------------------------------------------------- sealing
 
     async def seal_upper(self, upper: Path) -> str | None:
@@ -164,12 +240,52 @@ class ArtifactCache:
         if _empty_upper(upper):
             shutil.rmtree(upper, ignore_errors=True)
             return None
-        return await self._seal("layers", upper, self.layer_dir)
+        with self._sealing():
+            digest = await self._seal("layers", upper, self.layer_dir)
+            self._fresh[digest] = time.time()
+        return digest
+
+    @contextlib.contextmanager
+    def _sealing(self):
+        t = time.time()
+        self._active.append(t)
+        try:
+            yield
+        finally:
+            self._active.remove(t)
 
     async def seal_memory(self, image_dir: Path) -> str:
-        """Turn a checkpoint image dir into a memory artifact; returns its digest."""
+        """Turn a checkpoint image dir into a memory artifact; returns its digest.
+
+        Its pages go to the page store (those not stored yet) and its recipe becomes the local blob,
+        durably, before `image_dir` moves to the image's extracted place (a rename, no copy)."""
+        with self._sealing():
+            digest = await self._seal_memory(image_dir)
+            self._fresh[digest] = time.time()
+        return digest
+
+    async def _seal_memory(self, image_dir: Path) -> str:
         await self._seal_required_drives(image_dir)
-        return await self._seal("memory", image_dir, self.memory_dir, sparse=True)
+        t0 = time.monotonic()
+        digest, recipe, new = await asyncio.to_thread(self.pages.seal, image_dir,
+                                                      lambda d: self.local.blob_path("memory", d))
+        self.touch("memory", digest)
+        log.info("sealed memory image %s: %d MiB, %d MiB of it new pages, in %.2fs", digest[:12],
+                 recipe.size >> 20, new >> 20, time.monotonic() - t0)
+        async with self._locks[digest]:
+            dst = self.memory_dir(digest)
+            if dst.exists():
+                await asyncio.to_thread(shutil.rmtree, image_dir, True)
+                return digest
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.replace(image_dir, dst)
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+                # on another filesystem (a per-sandbox disk image): rebuilt from the recipe when needed
+                await asyncio.to_thread(shutil.rmtree, image_dir, True)
+        return digest
 
     async def _seal_required_drives(self, image_dir: Path) -> None:
         """Give every drive the image requires a digest (sealing the drive once per node)."""
@@ -269,8 +385,29 @@ class ArtifactCache:
                 log.info("downloading %s/%s from the %s snapshot store", kind, digest[:12], self.store.name)
                 await self.store.get_blob(kind, digest, tmp)
             dst.parent.mkdir(parents=True, exist_ok=True)
-            await layer_tar.unpack(self.local.blob_path(kind, digest), dst)
+            blob = self.local.blob_path(kind, digest)
+            if kind == "memory" and is_recipe(blob):
+                await self._materialize(blob, dst)
+            else:
+                await layer_tar.unpack(blob, dst)
         return dst
+
+    async def _materialize(self, recipe_file: Path, dst: Path) -> None:
+        """Rebuild an image from its recipe beside `dst`, then rename it into place."""
+        tmp = dst.with_name(f".{dst.name}.extract")
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+        t0 = time.monotonic()
+        try:
+            recipe = Recipe.load(recipe_file)
+            await asyncio.to_thread(self.pages.materialize, recipe, tmp)
+        except BaseException as e:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+            if isinstance(e, (OSError, ValueError)):
+                raise RuntimeFailure(f"memory image {dst.name[:12]} could not be rebuilt from its pages: {e}") from e
+            raise
+        os.replace(tmp, dst)
+        log.info("rebuilt memory image %s (%d MiB) from its pages in %.2fs", dst.name[:12], recipe.size >> 20,
+                 time.monotonic() - t0)
 
     async def ensure_layer(self, digest: str) -> Path:
         return await self._ensure("layers", digest, self.layer_dir(digest))
@@ -320,17 +457,16 @@ class ArtifactCache:
 
     async def _put(self, kind: str, digest: str) -> None:
         if await self.local.has_blob(kind, digest):
-            await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
+            await self._put_local(kind, digest)
         elif not await self.store.has_blob(kind, digest):
             raise NotFound(f"{kind} {digest[:12]} is neither on this node nor in the snapshot store")
 
     async def _put_requires(self, memory: str) -> None:
         """The drives a memory image needs, as a small blob named after the image (for the store's GC).
         Only from a memory image this node has: one published elsewhere already has its record."""
-        if not self.memory_dir(memory).is_dir():
+        if not self.has_memory(memory):
             return
-        drives = sorted(e["digest"] for e in self.required_drives(self.memory_dir(memory)).values()
-                        if e.get("digest"))
+        drives = sorted(e["digest"] for e in self.requires_of(memory).values() if e.get("digest"))
         fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".json")
         os.close(fd)
         try:
@@ -346,11 +482,35 @@ class ArtifactCache:
             if not await self.store.has_blob(kind, digest) and await self.local.has_blob(kind, digest):
                 log.warning("%s/%s vanished from the snapshot store during its publish; uploading it again",
                             kind, digest[:12])
-                await self.store.put_blob(kind, digest, self.local.blob_path(kind, digest))
+                await self._put_local(kind, digest)
 
     def _drive_blobs(self, memory_digest: str) -> list[tuple[str, str]]:
-        return [("drives", e["digest"]) for e in self.required_drives(self.memory_dir(memory_digest)).values()
-                if e.get("digest")]
+        return [("drives", e["digest"]) for e in self.requires_of(memory_digest).values() if e.get("digest")]
+
+    def _store_is_mine(self) -> bool:
+        """The snapshot store is a directory inside this node's data dir (the single-node default):
+        it can hold a recipe whose pages are in this node's page store."""
+        if not isinstance(self.store, LocalSnapshotStore):
+            return False
+        return self.store.root.resolve().is_relative_to(self.root.resolve())
+
+    async def _put_local(self, kind: str, digest: str) -> None:
+        """Put a local blob into the store. A memory recipe goes as is to this node's own store and
+        as a whole image (a tar of the rebuilt image, under the same digest) to any other."""
+        blob = self.local.blob_path(kind, digest)
+        if kind != "memory" or self._store_is_mine() or not is_recipe(blob):
+            await self.store.put_blob(kind, digest, blob)
+            return
+        if await self.store.touch_blob(kind, digest):  # there already (kept from GC's grace period)
+            return
+        image = await self.ensure_memory(digest)
+        fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".tar")
+        os.close(fd)
+        try:
+            await layer_tar.pack(image, Path(tmp), sparse=True)
+            await self.store.put_blob(kind, digest, Path(tmp))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
 
     async def find_manifest(self, id_or_name: str) -> SnapshotRecord | None:
         m = await self.store.get_manifest(id_or_name) if _plain(id_or_name) else None
@@ -367,15 +527,20 @@ class ArtifactCache:
         """Remove local artifacts nothing references (blobs in the store: `storegc.py`).
 
         `fresh_since`: when the caller began collecting the in-use sets. An artifact sealed or pulled
-        after that (its use stamp is newer) is kept: its sealer pins it right after the seal returns,
-        which the sets may have missed."""
+        after that (its use stamp is newer), or written by a seal still under way, is kept: its sealer
+        pins it right after the seal returns, which the sets may have missed."""
+        self._fresh = {d: t for d, t in self._fresh.items() if t > time.time() - 3600}
         removed = {"layers": 0, "memory": 0}
         for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
                                      ("memory", memory_in_use, self.memory_dir)):
             base = self.root / kind
+            for trash in base.glob(".drop-*") if base.exists() else ():  # a crash mid-drop
+                shutil.rmtree(trash, ignore_errors=True)
             digests = {p.name for p in base.iterdir() if not p.name.startswith(".")} if base.exists() else set()
             digests |= set(await self.local.list_blobs(kind))
             for d in digests - in_use:
+                if fresh_since is not None and self._maybe_unclaimed(kind, d, fresh_since):
+                    continue
                 async with self._locks[d]:
                     if fresh_since is not None and self._last_used(kind, d) >= fresh_since - 0.05:  # coarse file clocks
                         continue
@@ -383,7 +548,32 @@ class ArtifactCache:
                     await self.local.delete_blob(kind, d)
                     self._stamp(kind, d).unlink(missing_ok=True)
                     removed[kind] += 1
+        if removed["memory"]:  # pages only an unreferenced recipe used: reclaim them
+            removed.update(await asyncio.to_thread(self.pages.sweep, self._recipes))
         return removed
+
+    def _maybe_unclaimed(self, kind: str, digest: str, since: float) -> bool:
+        if self._fresh.get(digest, 0.0) >= since:
+            return True
+        if not self._active:
+            return False
+        blob = self.local.blob_path(kind, digest)
+        try:
+            return blob.stat().st_mtime >= min(self._active) - 1.0  # written by a seal under way
+        except OSError:
+            return False
+
+    def _recipes(self) -> list[Path]:
+        """Every memory recipe of this node (the live roots of the page store): the local blobs and
+        those in this node's own snapshot store."""
+        dirs = [self.local.root / "memory"]
+        if self._store_is_mine():
+            dirs.append(self.store.root / "memory")  # type: ignore[attr-defined]
+        out = []
+        for d in dirs:
+            if d.is_dir():
+                out += [p for p in d.iterdir() if not p.name.startswith(".") and is_recipe(p)]
+        return out
 
     async def delete_from_store(self, snap: SnapshotRecord) -> None:
         """Delete a snapshot's manifest (it disappears at once). Its blobs stay until the store's GC

@@ -45,6 +45,10 @@ class SnapshotStore(Protocol):
     async def put_blob(self, kind: str, digest: str, src: Path) -> None:
         """Store `src` under its digest; idempotent (an existing blob is touched); atomic for readers."""
 
+    async def touch_blob(self, kind: str, digest: str) -> bool:
+        """Mark an existing blob as just published (GC's grace period counts from now); False if
+        the store does not have it."""
+
     async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
         """Download to `dst` (atomically: a partial download never appears at `dst`)."""
 
@@ -85,13 +89,17 @@ class LocalSnapshotStore:
     async def has_blob(self, kind: str, digest: str) -> bool:
         return self.blob_path(kind, digest).exists()
 
+    async def touch_blob(self, kind: str, digest: str) -> bool:
+        try:
+            os.utime(self.blob_path(kind, digest))
+            return True
+        except FileNotFoundError:
+            return False
+
     async def put_blob(self, kind: str, digest: str, src: Path) -> None:
         dst = self.blob_path(kind, digest)
-        try:
-            os.utime(dst)  # already here: touched, so GC's grace period counts from this publish
+        if await self.touch_blob(kind, digest):  # already here: GC's grace period counts from this publish
             return
-        except FileNotFoundError:
-            pass
         dst.parent.mkdir(parents=True, exist_ok=True)
 
         def copy() -> None:
@@ -256,13 +264,16 @@ class S3SnapshotStore:
         _check_kind(kind)
         return await self._exists(self._key(kind, digest))
 
-    async def put_blob(self, kind: str, digest: str, src: Path) -> None:
+    async def touch_blob(self, kind: str, digest: str) -> bool:
         _check_kind(kind)
-        key = self._key(kind, digest)
         info = await self.blob_info(kind, digest)
-        if info is not None and (info.modified > time.time() - self.touch_after_s or await self._touch(key)):
+        return info is not None and (info.modified > time.time() - self.touch_after_s
+                                     or await self._touch(self._key(kind, digest)))
+
+    async def put_blob(self, kind: str, digest: str, src: Path) -> None:
+        if await self.touch_blob(kind, digest):
             return
-        await self._call(self._s3.upload_file, str(src), self.bucket, key)
+        await self._call(self._s3.upload_file, str(src), self.bucket, self._key(kind, digest))
 
     async def _touch(self, key: str) -> bool:
         """Give an existing object a fresh LastModified (a copy onto itself); False if it is gone

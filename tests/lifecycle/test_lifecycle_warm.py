@@ -57,8 +57,10 @@ def test_creates_restore_the_warm_image_and_fall_back_when_it_is_lost(server):
         a.kill()
         b.kill()
 
-    # Lose the warm memory image: creates still work (cold boot) and the image is rebuilt.
+    # Lose the warm memory image (its extracted copy and its recipe: the copy alone is rebuilt from
+    # its pages): creates still work (cold boot) and the image is rebuilt.
     shutil.rmtree(server.data_dir / "memory" / meta["memory"])
+    (server.data_dir / "cache" / "memory" / meta["memory"]).unlink()
     c = Sandbox.create()
     try:
         assert c.commands.run("echo ok").stdout == "ok\n"
