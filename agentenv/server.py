@@ -314,7 +314,7 @@ def _store_collector(c: Components):
         return r
 
     return StoreCollector(store, roots, interval_s=c.settings.store_gc_interval_s,
-                          grace_s=c.settings.store_gc_grace_s)
+                          grace_s=c.settings.store_gc_grace_s, after=orch.gc_artifacts)
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -181,11 +181,15 @@ class StoreCollector:
     the cluster's scheduler), so nodes never sweep the shared store against each other."""
 
     def __init__(self, store: SnapshotStore, roots_fn: Callable[[], Awaitable[Roots]], *,
-                 interval_s: float, grace_s: float) -> None:
+                 interval_s: float, grace_s: float,
+                 after: Callable[[], Awaitable[object]] | None = None) -> None:
+        """`after`: run when a round removed something (a single server then sweeps its own
+        artifacts: memory pages only a removed recipe held)."""
         self.store = store
         self.roots_fn = roots_fn
         self.interval_s = interval_s
         self.grace_s = grace_s
+        self.after = after
         self.last: StoreGCResult | None = None
         self._task: asyncio.Task | None = None
 
@@ -198,6 +202,8 @@ class StoreCollector:
             await asyncio.sleep(self.interval_s)
             try:
                 self.last = await collect(self.store, self.roots_fn, grace_s=self.grace_s)
+                if self.last.removed and self.after is not None:
+                    await self.after()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the next round tries again

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
-from agentenv.client.api import ApiError
 from agentenv.client.timetravel import TimeTravel
-from lifecycle_util import kill_quietly
+from serverproc import new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 D = "/home/user/pg"
 STEPS = 8
@@ -83,22 +82,28 @@ def assert_at(sbx: Sandbox, n: int, state: dict, where: str) -> None:
 
 
 @pytest.fixture
-def tracker(tracker):
-    """The lifecycle suite's tracker; at teardown also every checkpoint taken of its sandboxes."""
-    yield tracker
-    tt = TimeTravel()
-    for sid in tracker.ids:
-        try:
-            for c in tt.checkpoints(sid):
-                tt.delete(c.checkpoint_id)
-        except ApiError:
-            pass
+def pages_server(server):
+    """A server of its own whose snapshot store is collected every 2 s with a 5 s grace period, so a
+    deleted checkpoint's pages come back within seconds (the defaults are an hour each)."""
+    d = new_data_dir("pages")
+    srv = start_extra_server(d, env={"AGENTENV_STORE_GC_INTERVAL_S": "2", "AGENTENV_STORE_GC_GRACE_S": "5",
+                                     "AGENTENV_WARM_START": "false"})
+    try:
+        yield srv
+        problems = srv.stop()
+        assert not problems, problems
+    finally:
+        stop_unchecked(srv)
+        remove_data_dir(d)
 
 
 @pytest.mark.timeout(600)
-def test_checkpoints_store_pages_once_and_gc_reclaims(server, tracker):
-    tt = TimeTravel()
-    sbx = tracker.create()
+def test_checkpoints_store_pages_once_and_gc_reclaims(pages_server):
+    srv = pages_server
+    opts = srv.sdk_opts()
+    tt = TimeTravel(api_url=srv.url, api_key=srv.api_key)
+    sbx = Sandbox.create(timeout=600, **opts)
+    srv.known_ids.add(sbx.sandbox_id)
     sbx.files.write(f"{D}/holder.py", HOLDER_PY)
     sbx.commands.run(f"python3 {D}/holder.py {D} > {D}/holder.log 2>&1", background=True).disconnect()
     deadline = time.monotonic() + 60
@@ -117,11 +122,11 @@ def test_checkpoints_store_pages_once_and_gc_reclaims(server, tracker):
         state[i] = ask(sbx, "step")
         sbx.files.write(f"{D}/step.txt", str(i))
         if i == 2:
-            before = stored_bytes(server.data_dir)  # the base (step 1's image) is in
+            before = stored_bytes(srv.data_dir)  # the base (step 1's image) is in
         c = tt.checkpoint(sbx, metadata={"step": str(i)})
         ck[i] = c.checkpoint_id
         sizes.append(c.size_bytes)
-    grown = stored_bytes(server.data_dir) - before
+    grown = stored_bytes(srv.data_dir) - before
     image = min(sizes)
     assert image > 64 * MIB, f"a checkpoint of a sandbox holding 64 MiB reports {image} bytes"
     # 7 checkpoints taken after the base: whole images would be 7 x image; pages changed are ~1 MiB each.
@@ -131,17 +136,25 @@ def test_checkpoints_store_pages_once_and_gc_reclaims(server, tracker):
     # Every checkpoint restores exactly: rollback in place to an early one, a new sandbox from the last.
     tt.rollback(sbx, ck[2])
     assert_at(sbx, 2, state[2], "rollback to step 2")
-    last = tracker.add(Sandbox.create(ck[STEPS], timeout=120))
+    last = Sandbox.create(ck[STEPS], timeout=120, **opts)
+    srv.known_ids.add(last.sandbox_id)
     assert_at(last, STEPS, state[STEPS], f"created from step {STEPS}")
-    kill_quietly(last)
+    last.kill()
 
     # Delete steps 3..STEPS-1: the pages only they held go (each step's 1 MiB of fresh bytes at least).
-    held = stored_bytes(server.data_dir)
+    # A deletion removes the manifest at once; the store's GC frees the recipes past their grace
+    # period, then the node's own collection the pages only they held.
+    held = stored_bytes(srv.data_dir)
     for i in range(3, STEPS):
-        Sandbox.delete_snapshot(ck[i])
-    freed = held - stored_bytes(server.data_dir)
-    assert freed >= (STEPS - 3) * MIB, f"deleting {STEPS - 3} checkpoints freed {freed} bytes"
+        assert Sandbox.delete_snapshot(ck[i], **opts) is True
+    deadline = time.monotonic() + 90
+    while (freed := held - stored_bytes(srv.data_dir)) < (STEPS - 3) * MIB:
+        assert time.monotonic() < deadline, f"deleting {STEPS - 3} checkpoints freed {freed} bytes"
+        time.sleep(1)
     tt.rollback(sbx, ck[STEPS])
     assert_at(sbx, STEPS, state[STEPS], f"rollback to step {STEPS} after the deletes")
     tt.rollback(sbx, ck[1])
     assert_at(sbx, 1, state[1], "rollback to step 1 after the deletes")
+    for i in (1, 2, STEPS):
+        tt.delete(ck[i])
+    sbx.kill()
