@@ -328,8 +328,9 @@ def test_store_gc_removes_exactly_the_unreferenced_blobs_while_a_snapshot_publis
         ids.append(pub.sandbox_id)
         a_srv.known_ids.add(pub.sandbox_id)
         pub.files.write(f"{WORK}/four.txt", "4")
-        # 96 MiB of new data: sealing and uploading it keeps the publish in flight for a few seconds
-        assert pub.commands.run(f"head -c 96M /dev/urandom > {WORK}/big.bin").exit_code == 0
+        # 192 MiB of new data: sealing and uploading it keeps the publish in flight for a few seconds,
+        # longer than one `gc --store` run (~1-2 s)
+        assert pub.commands.run(f"head -c 192M /dev/urandom > {WORK}/big.bin").exit_code == 0
         result: dict = {}
 
         def publish() -> None:
