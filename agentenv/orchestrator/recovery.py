@@ -39,6 +39,14 @@ async def reconcile(orch: "Orchestrator") -> None:
                 listed.update(await rt.list_ids())
         return listed
 
+    async def stand_down(sandbox_id: str, runtime: str | None, has_slot: bool) -> None:
+        """A paused sandbox whose pause's stand-down the old process did not finish (a crash right
+        after the pause answered): its frozen container stops and its slot goes."""
+        if sandbox_id in await running_ids():
+            await host.stop_quietly(sandbox_id, runtime)
+        if has_slot:
+            await host.release_slot(sandbox_id)
+
     for rec in await orch.store.list_sandboxes():
         if rec.state in (SandboxState.FORKING, SandboxState.SNAPSHOTTING):
             # a capture the old process did not finish (it records the source's new layers
@@ -50,6 +58,15 @@ async def reconcile(orch: "Orchestrator") -> None:
             keep.add(rec.sandbox_id)
             continue
         slot = host.network.slot_for(rec.sandbox_id)
+        if rec.state in (SandboxState.LOST, SandboxState.RUNNING) and orch.recover_fenced is not None \
+                and orch.recover_fenced(rec):
+            # a cluster node paused it onto its disk while fenced (cluster/fence.py): it rejoins with
+            # it; its container may still be there, frozen (a crash right after the pause answered)
+            lifecycle.adopt(rec, SandboxState.PAUSED)
+            keep.add(rec.sandbox_id)
+            await stand_down(rec.sandbox_id, rec.runtime, slot is not None)
+            log.info("sandbox %s, paused here while this node was fenced, is kept for its rejoin", rec.sandbox_id)
+            continue
         rt = host.runtimes.get(rec.runtime)
         if rt is None and rec.state == SandboxState.RUNNING:
             log.warning("sandbox %s runs under %s, which this node no longer serves", rec.sandbox_id, rec.runtime)
@@ -73,17 +90,8 @@ async def reconcile(orch: "Orchestrator") -> None:
         elif rec.state == SandboxState.PAUSED:
             lifecycle.adopt(rec)
             keep.add(rec.sandbox_id)
-            if rec.sandbox_id in await running_ids():  # a pause's stand-down the old process did not finish
-                await host.stop_quietly(rec.sandbox_id, rec.runtime)
-            if slot is not None:
-                await host.release_slot(rec.sandbox_id)
+            await stand_down(rec.sandbox_id, rec.runtime, slot is not None)
             log.info("paused sandbox %s is resumable", rec.sandbox_id)
-        elif rec.state in (SandboxState.LOST, SandboxState.RUNNING) and orch.recover_fenced is not None \
-                and orch.recover_fenced(rec):
-            # a cluster node paused it onto its disk while fenced (cluster/fence.py): it rejoins with it
-            lifecycle.adopt(rec, SandboxState.PAUSED)
-            keep.add(rec.sandbox_id)
-            log.info("sandbox %s, paused here while this node was fenced, is kept for its rejoin", rec.sandbox_id)
         else:
             log.warning("dropping sandbox %s (state %s) that did not survive the restart", rec.sandbox_id,
                         rec.state.value)
