@@ -134,7 +134,13 @@ def test_disk_image_through_pause_resume_fork_and_snapshot(limits, make):
     sbx.commands.run("head -c 100000 /dev/urandom > /home/user/keep && md5sum /home/user/keep > /home/user/keep.md5")
     img = _disk_image(limits, sbx)
     sbx.pause()
-    assert img.exists() and not img.with_name("disk").is_mount()  # a paused sandbox holds no loop device
+    # A paused sandbox holds no loop device: its container, slot and disk go right after the pause
+    # has answered (`SandboxHost.stand_down_later`), in well under a second.
+    deadline = time.monotonic() + 10
+    while img.with_name("disk").is_mount():
+        assert time.monotonic() < deadline, "the paused sandbox still holds its loop device after 10 s"
+        time.sleep(0.05)
+    assert img.exists()
     sbx = Sandbox.connect(sbx.sandbox_id, api_key=limits.api_key, api_url=limits.api_url,
                           sandbox_url=limits.api_url)
     assert sbx.commands.run("md5sum -c /home/user/keep.md5").exit_code == 0
