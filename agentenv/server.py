@@ -193,37 +193,30 @@ async def _bootstrap_key(c: Components, settings: Settings) -> str | None:
     return key_file.read_text().strip() if key_file.exists() else None
 
 
-async def wait_for_stop_signal() -> None:
-    """Return when SIGINT or SIGTERM reaches this process (every server role stops this way).
+def on_signals(signals: tuple[signal.Signals, ...], callback: Callable[[], None], why: str = "") -> None:
+    """Run `callback` in the running loop when one of `signals` reaches this process.
 
     Not loop.add_signal_handler: it routes signals through a wakeup fd that forked helpers
-    (pyroute2's netns workers) inherit, so a SIGTERM sent to such a child would stop the server.
+    (pyroute2's netns workers) inherit, so a SIGTERM sent to such a child would stop the server;
+    the pid check ignores signals a forked child received.
     """
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     server_pid = os.getpid()
 
     def on_signal(signum, _frame) -> None:
         if os.getpid() == server_pid:
-            log.info("received %s", signal.Signals(signum).name)
-            loop.call_soon_threadsafe(stop.set)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    await stop.wait()
-
-
-def on_reload_signal(callback: Callable[[], None]) -> None:
-    """Run `callback` in the loop when SIGHUP reaches this process (not a forked helper)."""
-    loop = asyncio.get_running_loop()
-    server_pid = os.getpid()
-
-    def on_signal(signum, _frame) -> None:
-        if os.getpid() == server_pid:
-            log.info("received SIGHUP: reloading the TLS certificate")
+            log.info("received %s%s", signal.Signals(signum).name, why)
             loop.call_soon_threadsafe(callback)
 
-    signal.signal(signal.SIGHUP, on_signal)
+    for sig in signals:
+        signal.signal(sig, on_signal)
+
+
+async def wait_for_stop_signal() -> None:
+    """Return when SIGINT or SIGTERM reaches this process (every server role stops this way)."""
+    stop = asyncio.Event()
+    on_signals((signal.SIGINT, signal.SIGTERM), stop.set)
+    await stop.wait()
 
 
 async def serve(settings: Settings, *, progress=None) -> None:
@@ -272,7 +265,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
 
             cert_watch = CertificateWatch(settings, data_plane, chosen.tls.pem)
             cert_watch.start()
-            on_reload_signal(cert_watch.poke)
+            on_signals((signal.SIGHUP,), cert_watch.poke, ": reloading the TLS certificate")
         log.info("data plane: %s", chosen.reason)
         _print_banner(settings, api_key, chosen.tls.ca if chosen.tls else None)
 

@@ -165,3 +165,12 @@ async def upload_file(host_ip: str, *, access_token: str | None, path: str, src:
                              data=chunks(), headers=headers) as resp:
             if resp.status >= 300:
                 raise RuntimeFailure(f"upload to the sandbox failed: HTTP {resp.status}: {(await resp.text())[:300]}")
+
+
+async def warm_login_shell(host_ip: str, *, access_token: str | None, user: str) -> None:
+    """Run the login shell an SDK command runs in (`bash -l -c true`) once: its binaries and profile
+    are then in the page cache and envd's first fork is behind it, so the next command costs what
+    later ones do (a warm image before its checkpoint, a pooled sandbox after its restore).
+    Raises what `run_process` raises (an image without bash works, only colder)."""
+    await run_process(host_ip, access_token=access_token, cmd="true", user=user, shell="/bin/bash",
+                      login=True, timeout=30)

@@ -87,7 +87,7 @@ class SandboxHost:
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
         # Teardowns and stand-downs in flight, by sandbox: they finish even when their caller is
         # cancelled, the next step on the same sandbox waits for them, and `close` too.
-        self._background: dict[str, asyncio.Task[None]] = {}
+        self._background: dict[str, tuple[str, asyncio.Task[None]]] = {}  # id -> (what, task)
 
     def _load_host_token(self) -> str:
         """A per-data-dir secret envd accepts for re-/init; kept on disk so restores after a restart work."""
@@ -119,7 +119,7 @@ class SandboxHost:
 
     async def close(self) -> None:
         while self._background:  # e.g. a cancelled caller's teardown (shutdown during a warm build)
-            await asyncio.gather(*self._background.values(), return_exceptions=True)
+            await asyncio.gather(*(t for _, t in self._background.values()), return_exceptions=True)
         for rt in self.runtimes.values():
             await rt.close()   # e.g. Firecracker: API clients, its VM store mount
 
@@ -410,14 +410,14 @@ class SandboxHost:
 
     def _in_background(self, sandbox_id: str, work: Coroutine[Any, Any, None], what: str) -> asyncio.Task[None]:
         task = asyncio.create_task(work, name=f"{what}-{sandbox_id}")
-        self._background[sandbox_id] = task
+        self._background[sandbox_id] = (what, task)
         task.add_done_callback(lambda t: self._background.pop(sandbox_id, None)
-                               if self._background.get(sandbox_id) is t else None)
+                               if self._background.get(sandbox_id, ("", None))[1] is t else None)
         return task
 
     async def settled(self, sandbox_id: str) -> None:
         """Wait for the sandbox's stand-down or teardown in flight, if any (its errors are logged)."""
-        task = self._background.get(sandbox_id)
+        _, task = self._background.get(sandbox_id, ("", None))
         if task is not None:
             await asyncio.gather(asyncio.shield(task), return_exceptions=True)
 
@@ -426,8 +426,8 @@ class SandboxHost:
 
         The work runs in a task of its own: a caller cancelled meanwhile (a shutdown during a warm
         build) does not cut it short, `close` waits for it, and a second caller joins it."""
-        task = self._background.get(sandbox_id)
-        if task is None or not task.get_name().startswith("teardown-"):
+        what, task = self._background.get(sandbox_id, ("", None))
+        if what != "teardown":  # none in flight (a stand-down may be: the teardown follows it)
             task = self._in_background(sandbox_id, self._teardown(sandbox_id, recorded_runtime, after=task),
                                        "teardown")
         await asyncio.shield(task)

@@ -252,8 +252,7 @@ class SandboxPool:
         fork pays for faulting its memory back in (~20 ms under gVisor), here instead of in the
         first command of the create that takes it."""
         try:
-            await envd_client.run_process(host_ip, access_token=src.restore_token, cmd="true", user=DEFAULT_USER,
-                                          shell="/bin/bash", login=True, timeout=30)
+            await envd_client.warm_login_shell(host_ip, access_token=src.restore_token, user=DEFAULT_USER)
         except Exception as e:  # noqa: BLE001 - the sandbox works all the same, its first command is slower
             log.info("pool: no first process in a sandbox of template %s (%s)", src.template_id, e)
 

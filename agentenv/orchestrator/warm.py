@@ -125,8 +125,7 @@ class WarmImages:
         (`bash -l -c`): its binaries and profile files are then in the image's page cache, and a
         sandbox's first command costs what its later ones do (about 40 ms less under gVisor)."""
         try:
-            await envd_client.run_process(host_ip, access_token=None, cmd="true", user=DEFAULT_USER,
-                                          shell="/bin/bash", login=True, timeout=30)
+            await envd_client.warm_login_shell(host_ip, access_token=None, user=DEFAULT_USER)
         except Exception as e:  # noqa: BLE001 - an image without bash works, only colder
             log.info("warm image: no login shell warmed (%s)", e)
 

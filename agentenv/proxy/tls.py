@@ -40,7 +40,7 @@ def prepare(tls_dir: Path, domain: str, cert: Path | None = None, key: Path | No
             raise ValueError("tls_cert and tls_key go together")
         chain, private = cert.read_bytes(), key.read_bytes()
         _check_pair(chain, private, cert, key)  # e.g. a renewal caught between its two files
-        pki.write_private(pem, chain.rstrip(b"\n") + b"\n" + private)
+        _write_if_changed(pem, chain.rstrip(b"\n") + b"\n" + private)
         return TlsFiles(pem, None)
     ca_pem, ca_key = tls_dir / "ca.pem", tls_dir / "ca.key"
     if not (ca_pem.exists() and ca_key.exists()):
@@ -48,8 +48,18 @@ def prepare(tls_dir: Path, domain: str, cert: Path | None = None, key: Path | No
     leaf, leaf_key = tls_dir / "server.pem", tls_dir / "server.key"
     if not _leaf_ok(leaf, domain):
         _new_leaf(ca_pem, ca_key, leaf, leaf_key, domain)
-    pki.write_private(pem, leaf.read_bytes() + ca_pem.read_bytes() + leaf_key.read_bytes())
+    _write_if_changed(pem, leaf.read_bytes() + ca_pem.read_bytes() + leaf_key.read_bytes())
     return TlsFiles(pem, ca_pem)
+
+
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """`prepare` runs every minute while the server runs: the PEM is rewritten only when it changes."""
+    try:
+        if path.read_bytes() == data:
+            return
+    except FileNotFoundError:
+        pass
+    pki.write_private(path, data)
 
 
 def _check_pair(chain: bytes, private: bytes, cert: Path, key: Path) -> None:
