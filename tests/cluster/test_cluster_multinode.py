@@ -59,15 +59,21 @@ def test_cluster_end_to_end(cluster):
 
 
 def _scenario(cluster, opts, created):
-    # ---- 30 sandboxes, created concurrently, spread by load
+    # ---- 30 sandboxes, created concurrently, spread by load. What earlier tests left running counts
+    # as load too (the scheduler sees it in the heartbeats), and a burst beyond the nodes' start
+    # slots (`max_starting_per_node`) goes to whichever node frees a slot first: a node that starts
+    # slower takes fewer. So the check is a fair share of the total, not an exact 10/10/10.
+    before = Counter(node for node, state in bindings(cluster).values() if state == "running")
     with ThreadPoolExecutor(10) as pool:
         sbxs = list(pool.map(lambda _i: Sandbox.create(timeout=900, request_timeout=300, **opts), range(30)))
     created.extend(sbxs)
     where = bindings(cluster, {s.sandbox_id for s in sbxs})
     per_node = Counter(node for node, _state in where.values())
-    print("placement of 30 sandboxes:", dict(per_node))
+    total = per_node + before
+    print("placement of 30 sandboxes:", dict(per_node), "running before:", dict(before))
     assert len(where) == 30 and set(per_node) == {"a", "b", "c"}
-    assert max(per_node.values()) - min(per_node.values()) <= 4, f"not spread by load: {per_node}"
+    assert min(total[n] for n in "abc") >= 6 and max(total.values()) - min(total[n] for n in "abc") <= 6, \
+        f"not spread by load: {dict(per_node)} placed, {dict(before)} running before"
 
     # ---- commands in every sandbox, through the gateway's traffic routing
     with ThreadPoolExecutor(10) as pool:
