@@ -75,12 +75,17 @@ print(open(out).read())
 D = "/home/user/ttb"
 
 
+STORE: Path | None = None  # --s3: the rclone server's directory of the bucket's prefix
+
+
 def disk_bytes(root: Path) -> int:
-    """Blocks allocated under the data dir's artifact stores (each inode once)."""
+    """Blocks allocated under the data dir's artifact stores (each inode once), plus the S3 store's
+    objects with --s3."""
     seen: set[int] = set()
     total = 0
-    for sub in ("memory", "layers", "cache", "snapshots", "pages"):
-        for dirpath, _dirs, files in os.walk(root / sub):
+    dirs = [root / sub for sub in ("memory", "layers", "cache", "snapshots", "pages")]
+    for top in dirs + ([STORE] if STORE else []):
+        for dirpath, _dirs, files in os.walk(top):
             for n in files:
                 try:
                     st = os.lstat(os.path.join(dirpath, n))
@@ -90,6 +95,19 @@ def disk_bytes(root: Path) -> int:
                     seen.add(st.st_ino)
                     total += st.st_blocks * 512
     return total
+
+
+def store_dir(srv) -> Path:
+    return STORE or srv.data_dir / "snapshots"
+
+
+def store_bytes() -> dict[str, int]:
+    """With --s3: bytes per blob kind in the S3 store."""
+    out: dict[str, int] = {}
+    for kind in ("layers", "memory", "pages", "pagemaps"):
+        d = STORE / kind if STORE else None
+        out[kind] = sum(p.stat().st_size for p in d.iterdir() if p.is_file()) if d and d.is_dir() else 0
+    return out
 
 
 def sealed_of(logtxt: str) -> list[tuple[float, float, float]]:
@@ -137,12 +155,13 @@ def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
             ids.append(ck.checkpoint_id)
             rows.append({"step": i + 1, "checkpoint_call": call, "frozen": fr[0] if fr else None,
                          "stored_bytes": grew, "size_bytes": ck.size_bytes,
+                         "store_bytes": store_bytes() if STORE else None,
                          "new_pages_mib": sealed[0][1] if sealed else None, "seal_s": sealed[0][2] if sealed else None})
             bench.log(f"step {i + 1}: checkpoint {call:.2f}s, frozen {rows[-1]['frozen']}, +{grew >> 20} MiB "
                       f"(new pages {rows[-1]['new_pages_mib']} MiB, sealed in {rows[-1]['seal_s']}s)")
         sharing = None
         if len(ids) >= 2:  # what a page-level store could share between the last two images
-            mems = [json.loads((srv.data_dir / "snapshots" / "manifests" / f"{c}.json").read_text())["memory"]
+            mems = [json.loads((store_dir(srv) / "manifests" / f"{c}.json").read_text())["memory"]
                     for c in ids[-2:]]
             files = [srv.data_dir / "memory" / m / "pages.img" for m in mems]
             sharing = page_sharing(*files) if all(f.exists() for f in files) else None  # extracted copies dropped
@@ -161,8 +180,7 @@ def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
         t0 = time.monotonic()
         snap = sbx.create_snapshot()
         snap_call = time.monotonic() - t0
-        full = json.loads((srv.data_dir / "snapshots" / "manifests" / f"{snap.snapshot_id}.json").read_text())[
-            "sizeBytes"]
+        full = json.loads((store_dir(srv) / "manifests" / f"{snap.snapshot_id}.json").read_text())["sizeBytes"]
         Sandbox.delete_snapshot(snap.snapshot_id)
         held = disk_bytes(srv.data_dir)
         for cid in ids:
@@ -274,6 +292,11 @@ def report(res: dict, args) -> str:
          f"{res['running']['trajectory']['deleted_all']['freed_bytes'] / 2**20:.0f} MiB of "
          f"{res['running']['trajectory']['deleted_all']['held_bytes'] / 2**20:.0f} MiB.", "",
          f"Pages of the last memory image found in its parent's: {res['running']['trajectory']['page_sharing']}", ""]
+    if rows[-1].get("store_bytes"):
+        kinds = rows[-1]["store_bytes"]
+        L.append("S3 store after the last step: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in kinds.items())
+                 + f" (the {len(rows)} memory images' logical size: {sum(r['size_bytes'] or 0 for r in rows) / 2**20:.0f} MiB)")
+        L.append("")
     L.append("| step | checkpoint call | frozen | stored |")
     L.append("|---|---|---|---|")
     L += [f"| {r['step']} | {bench.s_(r['checkpoint_call'])} | {bench.s_(r['frozen'])} | {r['stored_bytes'] / 2**20:.0f} MiB |"
@@ -294,6 +317,9 @@ def main() -> int:
     ap.add_argument("--delta-mib", type=int, default=4)
     ap.add_argument("--skip-stopping", action="store_true", help="skip the run on a server whose captures stop")
     ap.add_argument("--skip-fork", action="store_true", help="no fork 16 (nor the stopping server)")
+    ap.add_argument("--s3", action="store_true",
+                    help="the server's snapshot store on S3 (a local rclone server): checkpoints upload their "
+                         "page packs; stored bytes then count the store's objects too")
     ap.add_argument("--pages", nargs=2, metavar=("OLDER", "NEWER"),
                     help="only compare two pages.img files (how much a page-level store would share)")
     args = ap.parse_args()
@@ -307,6 +333,20 @@ def main() -> int:
     srv = bench.BenchServer(bench.BENCH_DIR)
     raw = None
     rc = 0
+    s3 = None
+    if args.s3:
+        global STORE
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from s3server import start_s3
+        import shutil
+        shutil.rmtree(bench.BENCH_DIR / "s3", ignore_errors=True)
+        s3 = start_s3(bench.BENCH_DIR / "s3" / "data")
+        (s3.root / "bucket").mkdir()
+        STORE = s3.root / "bucket" / "tt"
+        os.environ.update(AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET="bucket", AGENTENV_S3_PREFIX="tt/",
+                          AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
+                          AGENTENV_S3_SECRET_KEY=s3.secret_key)
+        res["meta"]["snapshot_store"] = "s3 (rclone serve s3 on loopback)"
     try:
         srv.prepare()
         srv.start()
@@ -332,6 +372,8 @@ def main() -> int:
         if srv.proc is not None:
             srv.stop()
         res["meta"]["gc"] = srv.gc()
+        if s3 is not None:
+            s3.stop()
     res["meta"]["load_end"] = bench.loadavg()
     bench.RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "timetravel-" + started.replace(":", "").replace("-", "")

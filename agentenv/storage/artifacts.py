@@ -9,9 +9,9 @@ Artifacts are content-addressed by the sha256 of their tar stream:
   parent costs about the pages it changed. `<data>/memory/<digest>/` (the image path a restore
   reads) is a cache rebuilt from the recipe on demand (`ensure_memory`): sealing keeps it (the
   caller may restore from it at once), `drop_extracted` and the size budget remove it. Images
-  pulled from a snapshot store, and those sealed before page storage, are tars (kept as before).
-  A snapshot store that is not this node's own directory receives a whole image (a tar, produced
-  on upload) under the same digest; a node-local store receives the recipe (a hard link).
+  sealed before page storage are tars (kept as before). A node-local store receives the recipe (a
+  hard link); any other store (S3) the recipe after the page packs it needs and their list
+  (`_put_pages`), and a node that pulls such a recipe downloads the packs it lacks (`_pull_pages`).
 
 - drives: a read-only VM drive (the guest's root or tools ext4) a memory image needs, because the
   guest kernel inside it has that exact drive's blocks cached. A memory image names them in its
@@ -387,6 +387,7 @@ class ArtifactCache:
             dst.parent.mkdir(parents=True, exist_ok=True)
             blob = self.local.blob_path(kind, digest)
             if kind == "memory" and is_recipe(blob):
+                await self._pull_pages(digest, blob)
                 await self._materialize(blob, dst)
             else:
                 await layer_tar.unpack(blob, dst)
@@ -479,6 +480,8 @@ class ArtifactCache:
         """After the reference is written: a blob the store's GC removed in the instant between its
         last check and our touch is uploaded again (storegc.py explains the window)."""
         for kind, digest in blobs:
+            if kind == "memory" and not self._store_is_mine() and self.has_recipe(digest):
+                await self._put_pages(digest, self.local.blob_path(kind, digest), again=True)
             if not await self.store.has_blob(kind, digest) and await self.local.has_blob(kind, digest):
                 log.warning("%s/%s vanished from the snapshot store during its publish; uploading it again",
                             kind, digest[:12])
@@ -503,14 +506,58 @@ class ArtifactCache:
             return
         if await self.store.touch_blob(kind, digest):  # there already (kept from GC's grace period)
             return
-        image = await self.ensure_memory(digest)
-        fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".tar")
+        await self._put_pages(digest, blob)
+        await self.store.put_blob(kind, digest, blob)
+
+    async def _put_pages(self, digest: str, recipe_file: Path, *, again: bool = False) -> None:
+        """Before a recipe goes to a store that is not this node's: the packs its pages are in
+        (`pages` blobs; those the store has are touched), then their list (`pagemaps/<digest>`)."""
+        recipe = await asyncio.to_thread(Recipe.load, recipe_file)
+        tmp = Path(tempfile.mkdtemp(dir=self._tmp_dir(), prefix="packs-"))
+        try:
+            packs = await asyncio.to_thread(self.pages.link_packs, recipe, tmp)
+            sent = 0
+            for name, path in packs:
+                if not await self.store.touch_blob("pages", name):
+                    await self.store.put_blob("pages", name, path)
+                    sent += path.stat().st_size
+            pagemap = tmp / "pagemap.json"
+            pagemap.write_text(json.dumps({"packs": [name for name, _ in packs]}))
+            await self.store.put_blob("pagemaps", digest, pagemap)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, tmp, True)
+        if again and sent:
+            log.warning("page packs of memory image %s vanished from the snapshot store during its publish; "
+                        "uploaded %d MiB again", digest[:12], sent >> 20)
+        elif not again:
+            log.info("memory image %s: %d MiB in %d page pack(s), %d MiB of them uploaded to the %s snapshot "
+                     "store", digest[:12], recipe.size >> 20, len(packs), sent >> 20, self.store.name)
+
+    async def _pull_pages(self, digest: str, recipe_file: Path) -> None:
+        """The packs a recipe pulled from the snapshot store needs and this node lacks."""
+        recipe = await asyncio.to_thread(Recipe.load, recipe_file)
+        if self._store_is_mine() or not await asyncio.to_thread(self.pages.lacks, recipe):
+            return
+        if not await self.store.has_blob("pagemaps", digest):
+            raise RuntimeFailure(f"memory image {digest[:12]} is a page recipe, but the {self.store.name} snapshot "
+                                 "store has no list of its page packs")
+        fd, listing = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".json")
         os.close(fd)
         try:
-            await layer_tar.pack(image, Path(tmp), sparse=True)
-            await self.store.put_blob(kind, digest, Path(tmp))
+            await self.store.get_blob("pagemaps", digest, Path(listing))
+            names = json.loads(Path(listing).read_text())["packs"]
         finally:
-            Path(tmp).unlink(missing_ok=True)
+            Path(listing).unlink(missing_ok=True)
+        t0, got = time.monotonic(), 0
+        for name in names:
+            if self.pages.has_pack(name):
+                continue
+            dst = await asyncio.to_thread(self.pages.download_path, name)
+            await self.store.get_blob("pages", name, dst)
+            got += dst.stat().st_size
+            await asyncio.to_thread(self.pages.adopt, name, dst)
+        log.info("memory image %s: downloaded %d MiB of page packs (%d listed) from the %s snapshot store in %.2fs",
+                 digest[:12], got >> 20, len(names), self.store.name, time.monotonic() - t0)
 
     async def find_manifest(self, id_or_name: str) -> SnapshotRecord | None:
         m = await self.store.get_manifest(id_or_name) if _plain(id_or_name) else None

@@ -14,6 +14,13 @@ On disk, under `<data>/pages/`:
 - recipes are written by the caller's path (`seal(..., recipe_path)`), after the packs they need
   are durable, by rename: a crash mid-seal leaves the old state or a complete recipe.
 
+Snapshot stores that are not the node's own directory (S3 in a cluster) receive the packs a
+recipe's pages live in, as blobs of kind `pages` under the pack's name (a pack never changes once
+written), and the list of them as a `pagemaps` blob named after the recipe. A node that pulls the
+recipe downloads the packs it lacks (`adopt`: the index is rebuilt by hashing the pages, so a page
+that arrived damaged is simply absent and the rebuild fails with its name). Checkpoints of one
+lineage share packs, so a store holds each page about once too.
+
 Garbage collection (`sweep`) is mark-and-sweep over the recipes that exist: packs with no live page
 are deleted; packs whose live fraction fell below half are compacted (their live pages copied to a
 new pack, durable before the old packs go). All of it runs under one lock with seals and rebuilds,
@@ -27,6 +34,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import secrets
 import threading
 import time
@@ -41,6 +49,7 @@ RECIPE_PREFIX = b'{"' + RECIPE_KEY.encode() + b'"'
 ZERO_PAGE = bytes(PAGE)
 ZERO = hashlib.blake2b(ZERO_PAGE, digest_size=DIGEST).digest()  # never stored: a hole on rebuild
 COMPACT_BELOW = 0.5  # a pack whose live fraction drops below this is rewritten
+PACK_NAME = re.compile(r"[0-9a-z][0-9a-z-]{0,79}")  # `_PackWriter` names: <time_ns hex>-<8 hex>
 
 
 def is_recipe(path: Path) -> bool:
@@ -267,6 +276,72 @@ class PageStore:
             os.fchmod(fd, f["mode"])
         finally:
             os.close(fd)
+
+    # ---------------------------------------------------------------- packs to and from a snapshot store
+
+    def _packs_of(self, recipe: Recipe, index: dict) -> set[str]:
+        names: set[str] = set()
+        for d in recipe.digests():
+            if d != ZERO:
+                try:
+                    names.add(index[d][0])
+                except KeyError:
+                    raise FileNotFoundError(f"page {d.hex()} is missing from the page store") from None
+        return names
+
+    def link_packs(self, recipe: Recipe, into: Path) -> list[tuple[str, Path]]:
+        """The packs holding `recipe`'s pages, hard-linked into `into` (same file system) under the
+        lock, so a sweep that compacts them meanwhile cannot pull them from under an upload."""
+        with self._lock:
+            out = []
+            for name in sorted(self._packs_of(recipe, self._loaded())):
+                dst = into / f"{name}.pack"
+                os.link(self.packs / f"{name}.pack", dst)
+                out.append((name, dst))
+            return out
+
+    def lacks(self, recipe: Recipe) -> bool:
+        """Some page of `recipe` is not stored here (it came from another node)."""
+        with self._lock:
+            index = self._loaded()
+            return any(d != ZERO and d not in index for d in recipe.digests())
+
+    def has_pack(self, name: str) -> bool:
+        return (self.packs / f"{name}.idx").exists()
+
+    def download_path(self, name: str) -> Path:
+        """Where a pack being downloaded goes (removed by the next open if the process dies)."""
+        if not PACK_NAME.fullmatch(name):
+            raise ValueError(f"invalid pack name {name!r}")
+        with self._lock:
+            self._loaded()  # its first load clears leftover temporary files: not this download's
+        return self.packs / f".tmp-pull-{name}.pack"
+
+    def adopt(self, name: str, downloaded: Path) -> int:
+        """Make a pack downloaded to `download_path(name)` part of this store (pages, then index,
+        durably); returns its pages. Its index is rebuilt by hashing its pages."""
+        size = downloaded.stat().st_size
+        if size % PAGE:
+            downloaded.unlink(missing_ok=True)
+            raise ValueError(f"pack {name} is {size} bytes, not whole {PAGE}-byte pages")
+        index_bytes = bytearray()
+        blake2b = hashlib.blake2b
+        with open(downloaded, "rb") as f:
+            while chunk := f.read(4 << 20):
+                mv = memoryview(chunk)
+                for off in range(0, len(chunk), PAGE):
+                    index_bytes += blake2b(mv[off:off + PAGE], digest_size=DIGEST).digest()
+            os.fsync(f.fileno())
+        with self._lock:
+            index = self._loaded()
+            if self.has_pack(name):  # pulled meanwhile (or this node's own)
+                downloaded.unlink(missing_ok=True)
+                return 0
+            os.replace(downloaded, self.packs / f"{name}.pack")
+            _write_durably(self.packs / f"{name}.idx", bytes(index_bytes))
+            for i in range(0, len(index_bytes), DIGEST):
+                index.setdefault(bytes(index_bytes[i:i + DIGEST]), (name, i // DIGEST))
+            return len(index_bytes) // DIGEST
 
     # ---------------------------------------------------------------- garbage collection
 

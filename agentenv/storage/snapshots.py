@@ -24,10 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-BLOB_KINDS = ("layers", "memory", "drives", "requires")
+BLOB_KINDS = ("layers", "memory", "drives", "requires", "pages", "pagemaps")
 # drives: read-only VM drives memory images need; requires: for each published memory image, the
 # drives it needs (its requires.json), so GC knows which drives are still referenced without
-# downloading the memory images.
+# downloading the memory images. pages: packs of deduplicated 4 KiB memory pages, named by the node
+# that wrote them; pagemaps: for each memory image stored as a recipe of pages, the packs it needs
+# (`pagestore.py`).
 
 
 @dataclass(frozen=True)

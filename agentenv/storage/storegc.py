@@ -5,7 +5,8 @@ lists its whole layer chain, so deleting a checkpoint keeps what its descendants
 row of the state store that names blobs — sandboxes (running ones mount layers pulled from the
 store; paused ones published their layers and memory image), template builds and the template
 build cache, the snapshot catalog — plus whatever the caller adds (a server: its warm images, pool
-and restores in flight). A memory image marks the drives its `requires` record names.
+and restores in flight). A memory image marks the drives its `requires` record names and the page
+packs its `pagemaps` record names (a recipe of deduplicated pages: `pagestore.py`).
 
 **Sweep**: a blob nothing marks is removed only if it was last written more than `grace_s` ago.
 
@@ -23,10 +24,13 @@ the collection (nothing is removed on a partial view).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from agentenv.models import SnapshotRecord
 from agentenv.storage.snapshots import BLOB_KINDS, BlobInfo, SnapshotStore
@@ -92,18 +96,14 @@ async def state_roots(state, snapshot_store: SnapshotStore) -> Roots:
     return roots
 
 
-async def _requires(store: SnapshotStore, memory: str) -> set[str] | None:
-    """The drives a memory image in the store needs; None if it has no `requires` record."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    if await store.blob_info("requires", memory) is None:
+async def _record(store: SnapshotStore, kind: str, memory: str, key: str) -> set[str] | None:
+    """The names listed under `key` in the small JSON blob `kind/<memory>`; None if there is none."""
+    if await store.blob_info(kind, memory) is None:
         return None
     with tempfile.TemporaryDirectory(prefix="agentenv-gc-") as d:
-        dst = Path(d) / "requires.json"
-        await store.get_blob("requires", memory, dst)
-        return set(json.loads(dst.read_text()).get("drives") or [])
+        dst = Path(d) / "record.json"
+        await store.get_blob(kind, memory, dst)
+        return set(json.loads(dst.read_text()).get(key) or [])
 
 
 async def collect(store: SnapshotStore, roots_fn: Callable[[], Awaitable[Roots]], *, grace_s: float,
@@ -141,13 +141,19 @@ async def collect(store: SnapshotStore, roots_fn: Callable[[], Awaitable[Roots]]
     # (published before records existed) could need any drive, so then no drive is removed.
     drives_needed: set[str] | None = set()
     for m in sorted(kept_memory) if blobs["drives"] else []:  # no drives (gVisor only): nothing to read
-        req = await _requires(store, m)
+        req = await _record(store, "requires", m, "drives")
         if req is None:
             drives_needed = None
             break
         drives_needed |= req
+    # page packs: marked by the pagemap of every memory image that stays (one without a pagemap is
+    # a whole image, which needs none: a recipe's pagemap is uploaded before the recipe)
+    packs_needed: set[str] = set()
+    for m in sorted(kept_memory) if blobs["pages"] else []:
+        packs_needed |= await _record(store, "pagemaps", m, "packs") or set()
     doomed_list = [b for b in blobs["layers"] if doomed(b, roots.layers)] + gone_memory
-    doomed_list += [b for b in blobs["requires"] if doomed(b, kept_memory)]
+    doomed_list += [b for b in blobs["requires"] + blobs["pagemaps"] if doomed(b, kept_memory)]
+    doomed_list += [b for b in blobs["pages"] if doomed(b, packs_needed)]
     if drives_needed is None:
         if blobs["drives"]:
             say(f"keeping all {len(blobs['drives'])} drives: a memory image has no requires record")

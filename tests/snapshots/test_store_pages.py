@@ -1,0 +1,127 @@
+"""Memory images in a shared snapshot store (S3 on a real rclone server, and a plain directory) are
+deduplicated like on a node: a publish uploads the page packs the store lacks, a node that pulls
+an image downloads the packs it lacks and rebuilds the same bytes, and the store's GC keeps exactly
+the packs the remaining images list (`storage/pagestore.py`, `storage/storegc.py`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agentenv.storage.artifacts import ArtifactCache
+from agentenv.storage.snapshots import LocalSnapshotStore, S3SnapshotStore
+from agentenv.storage.storegc import Roots, collect
+from s3server import start_s3
+
+MB = 1 << 20
+GRACE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    srv = start_s3(tmp_path_factory.mktemp("s3") / "data")
+    (srv.root / "bucket").mkdir()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path, s3):
+    if request.param == "local":
+        return LocalSnapshotStore(tmp_path / "store")
+    return S3SnapshotStore(bucket="bucket", prefix=f"p{os.getpid()}-{tmp_path.name}/", endpoint_url=s3.endpoint,
+                           access_key=s3.access_key, secret_key=s3.secret_key)
+
+
+def _image(path: Path, body: bytes, state: bytes) -> Path:
+    path.mkdir(parents=True)
+    (path / "pages.img").write_bytes(body)
+    (path / "checkpoint.img").write_bytes(state)
+    return path
+
+
+async def _pages_bytes(store) -> int:
+    return sum(b.size for b in await store.list_blob_info("pages"))
+
+
+def _same(image: Path, body: bytes, state: bytes) -> None:
+    assert (image / "pages.img").read_bytes() == body and (image / "checkpoint.img").read_bytes() == state
+
+
+async def test_checkpoints_share_pages_in_the_store_across_nodes(store, tmp_path):
+    base = os.urandom(8 * MB)
+    a = ArtifactCache(tmp_path / "a", store)
+    d1 = await a.seal_memory(_image(tmp_path / "i1", base, b"state-1"))
+    await a.publish_blobs([], d1)
+    assert (await store.blob_info("memory", d1)).size < 64 * 1024  # a recipe, not the image
+    after_1 = await _pages_bytes(store)
+    assert 8 * MB <= after_1 <= 8 * MB + 64 * 1024
+
+    # step 2 on node A: moved around, 1 MiB new -> about 1 MiB more in the store
+    body2 = base[4 * MB:] + os.urandom(MB) + base[:3 * MB]
+    d2 = await a.seal_memory(_image(tmp_path / "i2", body2, b"state-2"))
+    await a.publish_blobs([], d2)
+    after_2 = await _pages_bytes(store)
+    assert MB <= after_2 - after_1 <= MB + 64 * 1024
+
+    # node B pulls step 2: it downloads the packs, rebuilds the same bytes; step 1 needs nothing more
+    b = ArtifactCache(tmp_path / "b", store)
+    _same(await b.ensure_memory(d2), body2, b"state-2")
+    held = b.pages.stored_bytes()
+    _same(await b.ensure_memory(d1), base, b"state-1")
+    assert b.pages.stored_bytes() == held
+
+    # step 3 on node B, from step 2's content: only B's new pages go up; node C gets it whole
+    body3 = body2[:6 * MB] + os.urandom(MB)
+    d3 = await b.seal_memory(_image(tmp_path / "i3", body3, b"state-3"))
+    await b.publish_blobs([], d3)
+    after_3 = await _pages_bytes(store)
+    assert MB <= after_3 - after_2 <= MB + 64 * 1024
+    c = ArtifactCache(tmp_path / "c", store)
+    _same(await c.ensure_memory(d3), body3, b"state-3")
+
+    # the store's GC with only step 3 referenced: steps 1 and 2 go with their pagemaps; every pack
+    # step 3 lists stays (step 1's pack holds most of step 3's pages), so a fresh node still rebuilds it
+    await _age()
+
+    async def roots() -> Roots:
+        r = Roots()
+        r.add("test", [], d3)
+        return r
+
+    res = await collect(store, roots, grace_s=GRACE_S)
+    gone = {(x.kind, x.digest) for x in res.removed}
+    assert {("memory", d1), ("memory", d2), ("pagemaps", d1), ("pagemaps", d2)} <= gone
+    assert not any(k in ("memory", "pagemaps") and d == d3 for k, d in gone)
+    fresh = ArtifactCache(tmp_path / "fresh", store)
+    _same(await fresh.ensure_memory(d3), body3, b"state-3")
+    # and with nothing referenced, everything goes
+    await _age()
+    await collect(store, _no_roots, grace_s=GRACE_S)
+    for kind in ("memory", "pagemaps", "pages"):
+        assert await store.list_blobs(kind) == [], kind
+
+
+async def test_a_pack_collected_between_publishes_is_uploaded_again(store, tmp_path):
+    """A recipe republished after the store lost one of its packs (collected meanwhile) brings it back."""
+    a = ArtifactCache(tmp_path / "a", store)
+    body = os.urandom(2 * MB)
+    d = await a.seal_memory(_image(tmp_path / "i", body, b"s"))
+    await a.publish_blobs([], d)
+    [pack] = await store.list_blobs("pages")
+    await store.delete_blob("memory", d)  # as the GC would, once nothing referenced it
+    await store.delete_blob("pages", pack)
+    await a.publish_blobs([], d)
+    assert await store.list_blobs("pages") == [pack]
+    _same(await ArtifactCache(tmp_path / "b", store).ensure_memory(d), body, b"s")
+
+
+async def _age() -> None:
+    import asyncio
+    await asyncio.sleep(GRACE_S + 1.2)
+
+
+async def _no_roots() -> Roots:
+    return Roots()
