@@ -127,13 +127,22 @@ def frozen_of(logtxt: str) -> list[float]:
 def start_worker(sbx, mib: int, delta: int) -> None:
     sbx.files.write(f"{D}/worker.py", WORKER)
     sbx.files.write(f"{D}/step.py", STEP_PY)
-    sbx.commands.run(f"python3 {D}/worker.py {D} {mib} {delta} > {D}/worker.log 2>&1", background=True).disconnect()
+    sbx.commands.run(f"python3 {D}/worker.py {D} {mib} {delta} > {D}/worker.log 2>&1", background=True,
+                     timeout=0).disconnect()  # no time limit: a 100-step run outlasts the default 60 s
     time.sleep(1)
     one_step(sbx)  # the worker is up (and its memory allocated) once it answers
 
 
 def one_step(sbx) -> int:
-    return int(sbx.commands.run(f"python3 {D}/step.py {D}", timeout=180).stdout.strip())
+    try:
+        return int(sbx.commands.run(f"python3 {D}/step.py {D}", timeout=180).stdout.strip())
+    except Exception:
+        # what the sandbox looks like when its worker stopped answering
+        diag = sbx.commands.run(f"ps -eo pid,stat,rss,vsz,wchan:20,cmd; free -m; ls -la {D} | tail -5; "
+                                "for p in $(pgrep -f worker.py); do grep -E 'State|VmRSS|SigPnd|ShdPnd|SigBlk' "
+                                "/proc/$p/status; done", timeout=60)
+        bench.log("the worker stopped answering; in the sandbox:\n" + diag.stdout + diag.stderr)
+        raise
 
 
 def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
@@ -183,16 +192,20 @@ def trajectory(srv, tt: TimeTravel, Sandbox, args) -> dict:
         full = json.loads((store_dir(srv) / "manifests" / f"{snap.snapshot_id}.json").read_text())["sizeBytes"]
         Sandbox.delete_snapshot(snap.snapshot_id)
         held = disk_bytes(srv.data_dir)
+        deletes = []
         for cid in ids:
+            t0 = time.monotonic()
             tt.delete(cid)
+            deletes.append(time.monotonic() - t0)
         deleted = ids[:]
         ids.clear()
         time.sleep(1)
         freed = held - disk_bytes(srv.data_dir)
-        bench.log(f"deleting the {len(deleted)} checkpoints freed {freed >> 20} MiB of {held >> 20} MiB")
+        bench.log(f"deleting the {len(deleted)} checkpoints ({bench.stats(deletes)}) freed {freed >> 20} MiB "
+                  f"of {held >> 20} MiB")
         return {"rows": rows, "rollback_to_first_command": bench.stats(rb), "snapshot_call": snap_call,
                 "rollback_rebuild": bench.stats(rebuilt) if rebuilt else None,
-                "deleted_all": {"held_bytes": held, "freed_bytes": freed},
+                "deleted_all": {"held_bytes": held, "freed_bytes": freed, "delete_call": bench.stats(deletes)},
                 "page_sharing": sharing,
                 "full_snapshot_frozen": (frozen_of(srv.log_since(mark)) or [None])[0],
                 "full_snapshot_size_bytes": full}
@@ -290,7 +303,9 @@ def report(res: dict, args) -> str:
          f"{_mean([r.get('seal_s') for r in rows])} s; image rebuilt for a rollback: "
          f"{bench.s_((res['running']['trajectory'].get('rollback_rebuild') or {}).get('p50'))} (p50); deleting all checkpoints freed "
          f"{res['running']['trajectory']['deleted_all']['freed_bytes'] / 2**20:.0f} MiB of "
-         f"{res['running']['trajectory']['deleted_all']['held_bytes'] / 2**20:.0f} MiB.", "",
+         f"{res['running']['trajectory']['deleted_all']['held_bytes'] / 2**20:.0f} MiB (delete call p50 "
+         f"{bench.s_(res['running']['trajectory']['deleted_all']['delete_call']['p50'])}, p95 "
+         f"{bench.s_(res['running']['trajectory']['deleted_all']['delete_call']['p95'])}).", "",
          f"Pages of the last memory image found in its parent's: {res['running']['trajectory']['page_sharing']}", ""]
     if rows[-1].get("store_bytes"):
         kinds = rows[-1]["store_bytes"]

@@ -102,3 +102,25 @@ def test_gc_keeps_what_was_sealed_after_the_in_use_sets_were_taken(tmp_path):
         assert cache.pages.stored_bytes() == 0
 
     asyncio.run(go())
+
+
+def test_pages_are_swept_once_no_copy_of_a_recipe_is_left(tmp_path):
+    """Removing a node's local recipe while the node's own store still holds it (a deleted checkpoint
+    before the store's GC) reclaims nothing and costs no sweep; the store's removal then reclaims."""
+    async def go():
+        node = tmp_path / "node"
+        cache = ArtifactCache(node, LocalSnapshotStore(node / "snapshots"))
+        body = os.urandom(2 * MB)
+        d = await cache.seal_memory(_image(tmp_path / "img", body, b"s"))
+        await cache.publish_blobs([], d)
+        assert await cache.gc(set(), {d}) == {"layers": 0, "memory": 0}
+        held = cache.pages.stored_bytes()
+        removed = await cache.gc(set(), set())
+        assert removed == {"layers": 0, "memory": 1}, removed  # no sweep: the store's copy needs every page
+        assert cache.pages.stored_bytes() == held
+        _same(await cache.ensure_memory(d), {"pages.img": body, "checkpoint.img": b"s"})  # from the store's recipe
+        await cache.store.delete_blob("memory", d)  # the store's GC
+        removed = await cache.gc(set(), set())
+        assert removed["memory"] == 1 and removed["packs_deleted"] == 1 and cache.pages.stored_bytes() == 0
+
+    asyncio.run(go())
