@@ -44,6 +44,9 @@ class Settings(BaseSettings):
     # server's own proxy, "auto" = haproxy when the binary is installed.
     data_plane: str = Field(default="auto", pattern=r"^(auto|haproxy|python)$")
     haproxy_path: str = "haproxy"
+    # HAProxy's threads; None: half the CPUs, 1 to 4 (the sandboxes need the rest: on 2 cores two
+    # threads served 15-40 % fewer requests/s at 32 connections than one, docs/benchmarks.md).
+    haproxy_threads: int | None = Field(default=None, ge=1, le=64)
     # HTTPS listener ("addr:port", e.g. "0.0.0.0:443"; needs the haproxy data plane and `domain`).
     # Certificate: tls_cert + tls_key (a wildcard for *.<domain> and <domain>), else a local CA that
     # agentenv creates under <data_dir>/tls (its ca.pem printed at start, for clients to trust).

@@ -1013,7 +1013,9 @@ class Bench:
             # much of the shared machine the proxy got during the run.
             haproxy = haproxy_pids(self.srv.data_dir)
             targets = [("direct", f"http://{upstream}/", {}, []),
-                       ("agentenv", f"{self.srv.url}/", route, [self.srv.proc.pid] + haproxy),
+                       # the data plane's own CPU: HAProxy's, or the server's when it is the proxy
+                       # (the server's background work is not per request)
+                       ("agentenv", f"{self.srv.url}/", route, haproxy or [self.srv.proc.pid]),
                        ("nginx", f"http://127.0.0.1:{ngx_port}/", route, [nginx.pid] + child_pids(nginx.pid))]
             out: dict = {"upstream": "python asyncio keep-alive server in the sandbox", "runs": {},
                          "data_plane": "haproxy" if haproxy else "python", "rounds": 3}

@@ -84,7 +84,8 @@ def make(settings: Settings, chosen: Plan, orch: Any) -> DataPlane:
     assert chosen.haproxy is not None
     http_bind = f"{settings.host}:{settings.port}" if ":" not in settings.host else f"[{settings.host}]:{settings.port}"
     return DataPlane(chosen.haproxy, layout(settings), OrchestratorRoutes(orch), http_bind=http_bind,
-                     https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None)
+                     https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None,
+                     threads=settings.haproxy_threads)
 
 
 def attach(dp: DataPlane, orch: Any) -> None:

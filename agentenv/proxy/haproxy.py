@@ -250,7 +250,7 @@ class DataPlane:
         self._http_bind = http_bind
         self._https_bind = https_bind
         self._cert = cert
-        self._threads = threads or max(1, min(os.cpu_count() or 1, 4))
+        self._threads = threads or max(1, min((os.cpu_count() or 1) // 2, 4))
         self._supervisor: asyncio.Task[None] | None = None
         self._sync: asyncio.Task[None] | None = None
         self.restarts = 0
