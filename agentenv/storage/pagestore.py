@@ -211,19 +211,14 @@ class PageStore:
         digests = bytearray()
         blake2b = hashlib.blake2b
         with open(path, "rb") as f:
-            while chunk := f.read(4 << 20):
-                mv = memoryview(chunk)
-                for off in range(0, len(chunk), PAGE):
-                    page = mv[off:off + PAGE]
-                    if len(page) < PAGE:
-                        page = bytes(page) + bytes(PAGE - len(page))
-                    if page == ZERO_PAGE:
-                        digests += ZERO
-                        continue
-                    d = blake2b(page, digest_size=DIGEST).digest()
-                    digests += d
-                    if d not in index and d not in fresh:
-                        fresh[d] = (writer.name, writer.add(d, page))
+            for page in _pages(f):
+                if page == ZERO_PAGE:
+                    digests += ZERO
+                    continue
+                d = blake2b(page, digest_size=DIGEST).digest()
+                digests += d
+                if d not in index and d not in fresh:
+                    fresh[d] = (writer.name, writer.add(d, page))
         return {"path": rel, "mode": st.st_mode & 0o7777, "size": st.st_size, "digests": bytes(digests)}
 
     # ---------------------------------------------------------------- rebuilding
@@ -327,10 +322,8 @@ class PageStore:
         index_bytes = bytearray()
         blake2b = hashlib.blake2b
         with open(downloaded, "rb") as f:
-            while chunk := f.read(4 << 20):
-                mv = memoryview(chunk)
-                for off in range(0, len(chunk), PAGE):
-                    index_bytes += blake2b(mv[off:off + PAGE], digest_size=DIGEST).digest()
+            for page in _pages(f):
+                index_bytes += blake2b(page, digest_size=DIGEST).digest()
             os.fsync(f.fileno())
         with self._lock:
             index = self._loaded()
@@ -402,6 +395,15 @@ class PageStore:
         for d in digests:
             if index.get(d, ("",))[0] == pack:
                 del index[d]
+
+
+def _pages(f):
+    """The 4 KiB pages of an open file, read 4 MiB at a time (the last page zero-padded)."""
+    while chunk := f.read(4 << 20):
+        mv = memoryview(chunk)
+        for off in range(0, len(chunk), PAGE):
+            page = mv[off:off + PAGE]
+            yield page if len(page) == PAGE else bytes(page) + bytes(PAGE - len(page))
 
 
 def _files(src: Path) -> list[str]:

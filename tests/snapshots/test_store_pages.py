@@ -5,34 +5,15 @@ the packs the remaining images list (`storage/pagestore.py`, `storage/storegc.py
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
-import pytest
-
 from agentenv.storage.artifacts import ArtifactCache
-from agentenv.storage.snapshots import LocalSnapshotStore, S3SnapshotStore
 from agentenv.storage.storegc import Roots, collect
-from s3server import start_s3
 
 MB = 1 << 20
 GRACE_S = 2.0
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    srv = start_s3(tmp_path_factory.mktemp("s3") / "data")
-    (srv.root / "bucket").mkdir()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path, s3):
-    if request.param == "local":
-        return LocalSnapshotStore(tmp_path / "store")
-    return S3SnapshotStore(bucket="bucket", prefix=f"p{os.getpid()}-{tmp_path.name}/", endpoint_url=s3.endpoint,
-                           access_key=s3.access_key, secret_key=s3.secret_key)
 
 
 def _image(path: Path, body: bytes, state: bytes) -> Path:
@@ -50,21 +31,25 @@ def _same(image: Path, body: bytes, state: bytes) -> None:
     assert (image / "pages.img").read_bytes() == body and (image / "checkpoint.img").read_bytes() == state
 
 
+async def _publish_step(cache: ArtifactCache, store, path: Path, body: bytes, state: bytes) -> tuple[str, int]:
+    """Seal and publish one memory image: its digest, and the bytes of page packs the store grew by."""
+    before = await _pages_bytes(store)
+    digest = await cache.seal_memory(_image(path, body, state))
+    await cache.publish_blobs([], digest)
+    return digest, await _pages_bytes(store) - before
+
+
 async def test_checkpoints_share_pages_in_the_store_across_nodes(store, tmp_path):
     base = os.urandom(8 * MB)
     a = ArtifactCache(tmp_path / "a", store)
-    d1 = await a.seal_memory(_image(tmp_path / "i1", base, b"state-1"))
-    await a.publish_blobs([], d1)
+    d1, grew = await _publish_step(a, store, tmp_path / "i1", base, b"state-1")
     assert (await store.blob_info("memory", d1)).size < 64 * 1024  # a recipe, not the image
-    after_1 = await _pages_bytes(store)
-    assert 8 * MB <= after_1 <= 8 * MB + 64 * 1024
+    assert 8 * MB <= grew <= 8 * MB + 64 * 1024
 
     # step 2 on node A: moved around, 1 MiB new -> about 1 MiB more in the store
     body2 = base[4 * MB:] + os.urandom(MB) + base[:3 * MB]
-    d2 = await a.seal_memory(_image(tmp_path / "i2", body2, b"state-2"))
-    await a.publish_blobs([], d2)
-    after_2 = await _pages_bytes(store)
-    assert MB <= after_2 - after_1 <= MB + 64 * 1024
+    d2, grew = await _publish_step(a, store, tmp_path / "i2", body2, b"state-2")
+    assert MB <= grew <= MB + 64 * 1024
 
     # node B pulls step 2: it downloads the packs, rebuilds the same bytes; step 1 needs nothing more
     b = ArtifactCache(tmp_path / "b", store)
@@ -75,10 +60,8 @@ async def test_checkpoints_share_pages_in_the_store_across_nodes(store, tmp_path
 
     # step 3 on node B, from step 2's content: only B's new pages go up; node C gets it whole
     body3 = body2[:6 * MB] + os.urandom(MB)
-    d3 = await b.seal_memory(_image(tmp_path / "i3", body3, b"state-3"))
-    await b.publish_blobs([], d3)
-    after_3 = await _pages_bytes(store)
-    assert MB <= after_3 - after_2 <= MB + 64 * 1024
+    d3, grew = await _publish_step(b, store, tmp_path / "i3", body3, b"state-3")
+    assert MB <= grew <= MB + 64 * 1024
     c = ArtifactCache(tmp_path / "c", store)
     _same(await c.ensure_memory(d3), body3, b"state-3")
 
@@ -119,7 +102,6 @@ async def test_a_pack_collected_between_publishes_is_uploaded_again(store, tmp_p
 
 
 async def _age() -> None:
-    import asyncio
     await asyncio.sleep(GRACE_S + 1.2)
 
 
