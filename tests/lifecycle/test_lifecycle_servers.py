@@ -263,6 +263,13 @@ def _manifest(client, bucket: str, prefix: str, snapshot_id: str) -> dict:
     return json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}manifests/{snapshot_id}.json")["Body"].read())
 
 
+def _pagemap(client, bucket: str, prefix: str, memory: str) -> list[str]:
+    """The page packs a memory image in the store needs (its `pagemaps` record)."""
+    import json
+
+    return json.loads(client.get_object(Bucket=bucket, Key=f"{prefix}pagemaps/{memory}")["Body"].read())["packs"]
+
+
 def _gc_store(srv, grace_s: float, *extra: str) -> tuple[str, float]:
     """`agentenv gc --store` against server A's state store and the shared S3 store, as an operator runs it."""
     import subprocess
@@ -311,9 +318,13 @@ def test_store_gc_removes_exactly_the_unreferenced_blobs_while_a_snapshot_publis
             Sandbox.kill(sid, **oa)
         ids.clear()
         assert Sandbox.delete_snapshot(snap1.snapshot_id, **oa) and Sandbox.delete_snapshot(snap3.snapshot_id, **oa)
-        garbage = {f"{prefix}memory/{m1['memory']}", f"{prefix}requires/{m1['memory']}"}
+        garbage = {f"{prefix}memory/{m1['memory']}", f"{prefix}requires/{m1['memory']}",
+                   f"{prefix}pagemaps/{m1['memory']}"}
         garbage |= {f"{prefix}layers/{d}" for d in set(m3["layers"]) - set(m2["layers"])}  # not the template's
-        assert len(garbage) == 3, (m2, m3)
+        assert len(garbage) == 4, (m2, m3)
+        # the memory pages only snap1's image needs (the packs its pagemap lists and snap2's does not)
+        packs1, packs2 = (set(_pagemap(s3c, bucket, prefix, m["memory"])) for m in (m1, m2))
+        garbage |= {f"{prefix}pages/{p}" for p in packs1 - packs2}
         kept = {f"{prefix}layers/{d}" for d in m2["layers"]} | {f"{prefix}memory/{m2['memory']}"}
         keys = set(_keys(s3c, bucket, prefix))
         assert garbage <= keys and kept <= keys, (garbage - keys, kept - keys)  # delete left the blobs to GC
@@ -360,6 +371,8 @@ def test_store_gc_removes_exactly_the_unreferenced_blobs_while_a_snapshot_publis
         m4 = _manifest(s3c, bucket, prefix, result["snap"].snapshot_id)
         assert m4["layers"][1:] == m2["layers"], (m2, m4)
         needed = kept | {f"{prefix}layers/{d}" for d in m4["layers"]} | {f"{prefix}memory/{m4['memory']}"}
+        needed |= {f"{prefix}pagemaps/{m['memory']}" for m in (m2, m4)}
+        needed |= {f"{prefix}pages/{p}" for m in (m2, m4) for p in _pagemap(s3c, bucket, prefix, m["memory"])}
         assert needed <= keys, needed - keys
         Sandbox.kill(pub.sandbox_id, **oa)
         ids.clear()
