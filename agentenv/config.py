@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     data_plane: str = Field(default="auto", pattern=r"^(auto|haproxy|python)$")
     haproxy_path: str = "haproxy"
     # HAProxy's threads; None: half the CPUs, 1 to 4 (the sandboxes need the rest: on 2 cores two
-    # threads served 15-40 % fewer requests/s at 32 connections than one, docs/benchmarks.md).
+    # threads served 14-34 % fewer requests/s at 32 connections than one, docs/benchmarks.md).
     haproxy_threads: int | None = Field(default=None, ge=1, le=64)
     # HTTPS listener ("addr:port", e.g. "0.0.0.0:443"; needs the haproxy data plane and `domain`).
     # Certificate: tls_cert + tls_key (a wildcard for *.<domain> and <domain>), else a local CA that

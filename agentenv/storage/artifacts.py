@@ -55,12 +55,13 @@ from agentenv.errors import NotFound, RuntimeFailure
 from agentenv.models import SnapshotRecord
 from agentenv.storage import layers as layer_tar
 from agentenv.storage.pagestore import PageStore, Recipe, is_recipe
-from agentenv.storage.snapshots import LocalSnapshotStore, SnapshotStore
+from agentenv.storage.snapshots import LocalSnapshotStore, SnapshotStore, get_record, put_record
 
 log = logging.getLogger("agentenv.storage.artifacts")
 
 
 REQUIRES_FILE = "requires.json"
+PAGE_KINDS = ("pages", "pagemaps")  # the blobs of a memory recipe's pages in a store not the node's own
 DRIVE_FILE = "drive.ext4"
 
 
@@ -443,9 +444,10 @@ class ArtifactCache:
         await self._verify(await self._upload(layers, memory))
 
     async def _upload(self, layers: list[str], memory: str | None) -> list[tuple[str, str]]:
-        """Every blob of a layer chain + memory image into the store (drives and the memory image's
-        `requires` record before the image: a reader or GC that sees the image sees what it needs).
-        A blob the store already has is touched (`put_blob`), which keeps it from GC's grace period."""
+        """Every blob of a layer chain + memory image into the store (drives, the memory image's
+        `requires` record and its page packs before the image: a reader or GC that sees the image sees
+        what it needs). A blob the store already has is touched (`put_blob`), which keeps it from GC's
+        grace period. Returns the blobs put, for `_verify`."""
         blobs = [("layers", d) for d in layers]
         if memory:
             blobs += self._drive_blobs(memory)
@@ -453,15 +455,17 @@ class ArtifactCache:
             await self._put(kind, digest)
         if memory:
             await self._put_requires(memory)
-            await self._put("memory", memory)
+            blobs += await self._put("memory", memory)
             blobs.append(("memory", memory))
         return blobs
 
-    async def _put(self, kind: str, digest: str) -> None:
+    async def _put(self, kind: str, digest: str) -> list[tuple[str, str]]:
+        """Put one blob; returns the page blobs put before it (a memory recipe's, else none)."""
         if await self.local.has_blob(kind, digest):
-            await self._put_local(kind, digest)
-        elif not await self.store.has_blob(kind, digest):
+            return await self._put_local(kind, digest)
+        if not await self.store.has_blob(kind, digest):
             raise NotFound(f"{kind} {digest[:12]} is neither on this node nor in the snapshot store")
+        return []
 
     async def _put_requires(self, memory: str) -> None:
         """The drives a memory image needs, as a small blob named after the image (for the store's GC).
@@ -469,24 +473,21 @@ class ArtifactCache:
         if not self.has_memory(memory):
             return
         drives = sorted(e["digest"] for e in self.requires_of(memory).values() if e.get("digest"))
-        fd, tmp = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".json")
-        os.close(fd)
-        try:
-            Path(tmp).write_text(json.dumps({"drives": drives}))
-            await self.store.put_blob("requires", memory, Path(tmp))
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        await put_record(self.store, "requires", memory, {"drives": drives})
 
     async def _verify(self, blobs: list[tuple[str, str]]) -> None:
         """After the reference is written: a blob the store's GC removed in the instant between its
-        last check and our touch is uploaded again (storegc.py explains the window)."""
-        for kind, digest in blobs:
-            if kind == "memory" and not self._store_is_mine() and self.has_recipe(digest):
-                await self._put_pages(digest, self.local.blob_path(kind, digest), again=True)
-            if not await self.store.has_blob(kind, digest) and await self.local.has_blob(kind, digest):
+        last check and our touch is uploaded again (storegc.py explains the window). Page packs and
+        their list come back with their memory image's pages (`_put_pages`)."""
+        missing = [(kind, digest) for kind, digest in blobs if not await self.store.has_blob(kind, digest)]
+        for kind, digest in missing:
+            if kind not in PAGE_KINDS and await self.local.has_blob(kind, digest):
                 log.warning("%s/%s vanished from the snapshot store during its publish; uploading it again",
                             kind, digest[:12])
-                await self._put_local(kind, digest)
+                await self._put_local(kind, digest)  # a memory recipe: its pages with it
+        memory = next((d for k, d in blobs if k == "memory"), None)
+        if memory and ("memory", memory) not in missing and any(k in PAGE_KINDS for k, _ in missing):
+            await self._put_pages(memory, self.local.blob_path("memory", memory), again=True)
 
     def _drive_blobs(self, memory_digest: str) -> list[tuple[str, str]]:
         return [("drives", e["digest"]) for e in self.requires_of(memory_digest).values() if e.get("digest")]
@@ -498,21 +499,23 @@ class ArtifactCache:
             return False
         return self.store.root.resolve().is_relative_to(self.root.resolve())
 
-    async def _put_local(self, kind: str, digest: str) -> None:
-        """Put a local blob into the store. A memory recipe goes as is to this node's own store and
-        as a whole image (a tar of the rebuilt image, under the same digest) to any other."""
+    async def _put_local(self, kind: str, digest: str) -> list[tuple[str, str]]:
+        """Put a local blob into the store. A memory recipe goes as is to this node's own store, and
+        to any other after its page packs and their list (returned: the page blobs put)."""
         blob = self.local.blob_path(kind, digest)
         if kind != "memory" or self._store_is_mine() or not is_recipe(blob):
             await self.store.put_blob(kind, digest, blob)
-            return
+            return []
         if await self.store.touch_blob(kind, digest):  # there already (kept from GC's grace period)
-            return
-        await self._put_pages(digest, blob)
+            return []
+        pages = await self._put_pages(digest, blob)
         await self.store.put_blob(kind, digest, blob)
+        return pages
 
-    async def _put_pages(self, digest: str, recipe_file: Path, *, again: bool = False) -> None:
+    async def _put_pages(self, digest: str, recipe_file: Path, *, again: bool = False) -> list[tuple[str, str]]:
         """Before a recipe goes to a store that is not this node's: the packs its pages are in
-        (`pages` blobs; those the store has are touched), then their list (`pagemaps/<digest>`)."""
+        (`pages` blobs; those the store has are touched), then their list (`pagemaps/<digest>`).
+        Returns those blobs."""
         recipe = await asyncio.to_thread(Recipe.load, recipe_file)
         tmp = Path(tempfile.mkdtemp(dir=self._tmp_dir(), prefix="packs-"))
         try:
@@ -522,9 +525,7 @@ class ArtifactCache:
                 if not await self.store.touch_blob("pages", name):
                     await self.store.put_blob("pages", name, path)
                     sent += path.stat().st_size
-            pagemap = tmp / "pagemap.json"
-            pagemap.write_text(json.dumps({"packs": [name for name, _ in packs]}))
-            await self.store.put_blob("pagemaps", digest, pagemap)
+            await put_record(self.store, "pagemaps", digest, {"packs": [name for name, _ in packs]})
         finally:
             await asyncio.to_thread(shutil.rmtree, tmp, True)
         if again and sent:
@@ -533,22 +534,18 @@ class ArtifactCache:
         elif not again:
             log.info("memory image %s: %d MiB in %d page pack(s), %d MiB of them uploaded to the %s snapshot "
                      "store", digest[:12], recipe.size >> 20, len(packs), sent >> 20, self.store.name)
+        return [("pages", name) for name, _ in packs] + [("pagemaps", digest)]
 
     async def _pull_pages(self, digest: str, recipe_file: Path) -> None:
         """The packs a recipe pulled from the snapshot store needs and this node lacks."""
         recipe = await asyncio.to_thread(Recipe.load, recipe_file)
         if self._store_is_mine() or not await asyncio.to_thread(self.pages.lacks, recipe):
             return
-        if not await self.store.has_blob("pagemaps", digest):
+        record = await get_record(self.store, "pagemaps", digest)
+        if record is None:
             raise RuntimeFailure(f"memory image {digest[:12]} is a page recipe, but the {self.store.name} snapshot "
                                  "store has no list of its page packs")
-        fd, listing = tempfile.mkstemp(dir=self._tmp_dir(), suffix=".json")
-        os.close(fd)
-        try:
-            await self.store.get_blob("pagemaps", digest, Path(listing))
-            names = json.loads(Path(listing).read_text())["packs"]
-        finally:
-            Path(listing).unlink(missing_ok=True)
+        names = record["packs"]
         t0, got = time.monotonic(), 0
         for name in names:
             if self.pages.has_pack(name):

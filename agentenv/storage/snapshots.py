@@ -64,6 +64,24 @@ class SnapshotStore(Protocol):
     async def delete_manifest(self, snapshot_id: str) -> None: ...
 
 
+async def put_record(store: SnapshotStore, kind: str, name: str, record: dict) -> None:
+    """Store a small JSON blob (`requires`, `pagemaps`) under `name`."""
+    with tempfile.TemporaryDirectory(prefix="agentenv-record-") as d:
+        src = Path(d) / "record.json"
+        src.write_text(json.dumps(record, sort_keys=True))
+        await store.put_blob(kind, name, src)
+
+
+async def get_record(store: SnapshotStore, kind: str, name: str) -> dict | None:
+    """A small JSON blob, parsed; None if the store has none under `name`."""
+    if await store.blob_info(kind, name) is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="agentenv-record-") as d:
+        dst = Path(d) / "record.json"
+        await store.get_blob(kind, name, dst)
+        return json.loads(dst.read_text())
+
+
 def _check_kind(kind: str) -> None:
     if kind not in BLOB_KINDS:
         raise ValueError(f"unknown blob kind {kind!r}")

@@ -24,16 +24,13 @@ the collection (nothing is removed on a partial view).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from agentenv.models import SnapshotRecord
-from agentenv.storage.snapshots import BLOB_KINDS, BlobInfo, SnapshotStore
+from agentenv.storage.snapshots import BLOB_KINDS, BlobInfo, SnapshotStore, get_record
 
 log = logging.getLogger("agentenv.storage.storegc")
 
@@ -97,13 +94,9 @@ async def state_roots(state, snapshot_store: SnapshotStore) -> Roots:
 
 
 async def _record(store: SnapshotStore, kind: str, memory: str, key: str) -> set[str] | None:
-    """The names listed under `key` in the small JSON blob `kind/<memory>`; None if there is none."""
-    if await store.blob_info(kind, memory) is None:
-        return None
-    with tempfile.TemporaryDirectory(prefix="agentenv-gc-") as d:
-        dst = Path(d) / "record.json"
-        await store.get_blob(kind, memory, dst)
-        return set(json.loads(dst.read_text()).get(key) or [])
+    """The names listed under `key` in the record `kind/<memory>`; None if there is none."""
+    record = await get_record(store, kind, memory)
+    return None if record is None else set(record.get(key) or [])
 
 
 async def collect(store: SnapshotStore, roots_fn: Callable[[], Awaitable[Roots]], *, grace_s: float,
