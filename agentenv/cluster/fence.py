@@ -4,7 +4,9 @@ lost, and rejoins cleanly.
 The lease. Every heartbeat that gets through renews it: written to the state store, or — when the
 store is out of reach — relayed by the scheduler (`POST /internal/heartbeat`, which writes it for
 the node). The renewal counts from the moment the heartbeat was *sent*, so the node's view of its
-last heartbeat is never newer than the store's `heartbeat_at`. The timeline after the last
+last heartbeat is never newer than the store's `heartbeat_at`. A heartbeat may take what is left of
+the lease (a store slow under load still renews it); once the lease lapsed, one last attempt gets
+one heartbeat interval per way. The timeline after the last
 heartbeat that got through (`Settings.fence_timing` refuses settings that break the order):
 
     0 ── node_fence_after_s ── + FENCE_CHECK_S + one last attempt ── ... ── node_dead_after_s
@@ -73,29 +75,44 @@ class Fence:
 
     # ------------------------------------------------------------------ the lease
 
-    async def renew(self) -> str | None:
+    def _attempt_timeout(self, way: str) -> float:
+        """How long one way of a regular heartbeat may take. A store or scheduler that answers slowly
+        under load must still renew the lease (a slow answer is not a partition), so a heartbeat may
+        take what is left of the lease: the store half of it (all of it would leave no time for the
+        relay when the store is cut off; one interval once it has been failing), the scheduler the
+        rest. Never less than one heartbeat interval. The watch's last attempt after the lease
+        lapsed gets one interval per way: that bounds the moment a cut-off node stops serving
+        (`Settings.fence_timing`)."""
+        left = self.fence_after - (time.monotonic() - self.renewed_at)
+        if way == "store":
+            left = 0.0 if self._store_failing_since is not None else left / 2
+        return max(self.attempt_s, left)
+
+    async def renew(self, *, last: bool = False) -> str | None:
         """One heartbeat: into the state store, else relayed by the scheduler. Returns the way it
-        went ('store', 'scheduler') or None."""
+        went ('store', 'scheduler') or None. `last`: the lease has lapsed; one interval per way."""
         t0 = time.monotonic()
         rec = self.agent.status()  # state "fenced" while fenced
         try:
-            await asyncio.wait_for(self._store_heartbeat(rec), self.attempt_s)
+            timeout = self.attempt_s if last else self._attempt_timeout("store")
+            await asyncio.wait_for(self._store_heartbeat(rec), timeout)
             self.renewed_at = max(self.renewed_at, t0)
             self._store_failing_since = None
             return "store"
         except Exception as e:  # noqa: BLE001 - unreachable, timed out, refused: all the same here
             if self._store_failing_since is None:
                 self._store_failing_since = t0
-            log.warning("heartbeat to the state store failed: %s", e or type(e).__name__)
+            log.warning("heartbeat to the state store failed: %s", str(e) or type(e).__name__)
         url = (self.settings.scheduler_url or "").rstrip("/")
         if url:
             try:
+                timeout = self.attempt_s if last else self._attempt_timeout("scheduler")
                 await asyncio.wait_for(self.agent.client.post(f"{url}/internal/heartbeat", codec.encode(rec),
-                                                              what="the scheduler"), self.attempt_s)
+                                                              what="the scheduler"), timeout)
                 self.renewed_at = max(self.renewed_at, t0)
                 return "scheduler"
             except Exception as e:  # noqa: BLE001
-                log.warning("heartbeat relayed by the scheduler failed: %s", e or type(e).__name__)
+                log.warning("heartbeat relayed by the scheduler failed: %s", str(e) or type(e).__name__)
         return None
 
     async def _store_heartbeat(self, rec) -> None:
@@ -117,7 +134,7 @@ class Fence:
             try:
                 if not self.fenced and time.monotonic() - self.renewed_at > self.fence_after:
                     # one last attempt: a starved event loop is not a partition
-                    if await self.renew() is None:
+                    if await self.renew(last=True) is None:
                         await self.fence(f"no heartbeat reached the state store or the scheduler for "
                                          f"{time.monotonic() - self.renewed_at:.1f}s")
             except asyncio.CancelledError:
@@ -236,7 +253,7 @@ class Fence:
                 rec = await asyncio.wait_for(
                     self.agent.orch.pauses.publish_local(sid, on_sealed=lambda r, s=sid: self._mark(s, r)), 300)
             except Exception as e:  # noqa: BLE001 - the snapshot store may be out of reach too
-                log.warning("fence: upload of paused %s failed: %s", sid, e or type(e).__name__)
+                log.warning("fence: upload of paused %s failed: %s", sid, str(e) or type(e).__name__)
                 return False
             self._local_only.discard(sid)
             if rec is not None:

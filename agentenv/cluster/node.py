@@ -139,7 +139,8 @@ class NodeAgent:
         self.draining = False
         self.started_at = utcnow()
         self._task: asyncio.Task | None = None
-        self.client = Client.for_settings(settings, timeout=max(settings.heartbeat_interval_s, 1.0),
+        # heartbeats only; each call is bounded by the lease (`Fence.renew`), this only backs it up
+        self.client = Client.for_settings(settings, timeout=max(settings.fence_after_s(), 1.0),
                                           ssl_context=client_ssl)
         self.fence = Fence(self)
 

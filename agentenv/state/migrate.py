@@ -10,7 +10,11 @@ the baseline revision converges them (see `versions/0001_baseline.py`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
+from collections.abc import AsyncIterator
 from functools import cache
 from pathlib import Path
 
@@ -30,6 +34,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine  # noqa: E402
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _MIGRATE_LOCK = 0x61676E7400000001  # the advisory lock key the hand-written PostgreSQL store used too
 log = logging.getLogger(__name__)
+# Alembic's `command.upgrade` installs its `context`/`op` proxies as module globals for the length of
+# the run and deletes them after: two upgrades at once in one process (two stores opening together;
+# their greenlets interleave on the driver's awaits) would remove each other's. One at a time.
+_ALEMBIC_TURN = threading.Lock()
 
 
 class SchemaTooNew(RuntimeError):
@@ -87,9 +95,25 @@ def _upgrade_sync(conn: Connection) -> str:
     return rev or ""
 
 
+@contextlib.asynccontextmanager
+async def _alembic_turn() -> AsyncIterator[None]:
+    """Hold `_ALEMBIC_TURN` without blocking the event loop (other loops and threads wait too)."""
+    if not _ALEMBIC_TURN.acquire(blocking=False):
+        waiting = asyncio.get_running_loop().run_in_executor(None, _ALEMBIC_TURN.acquire)
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:  # the turn still comes: hand it straight back
+            waiting.add_done_callback(lambda _: _ALEMBIC_TURN.release())
+            raise
+    try:
+        yield
+    finally:
+        _ALEMBIC_TURN.release()
+
+
 async def upgrade(engine: AsyncEngine) -> str:
     """Bring the database to head; returns the revision it is at."""
-    async with engine.connect() as conn:
+    async with _alembic_turn(), engine.connect() as conn:
         return await conn.run_sync(_upgrade_sync)
 
 

@@ -120,7 +120,9 @@ def test_load_cycles_through_gateway(cluster):
     untyped = [f"{r}" for r, c in zip(failures, causes)
                if isinstance(c, BaseException) and type(c).__module__.split(".")[0] != "e2b"]
     assert not untyped, f"untyped failures: {untyped[:5]}"
-    assert outcome["ok"] == CYCLES, f"{len(failures)} cycles failed: {failures[:5]}"
+    assert outcome["ok"] == CYCLES, f"{len(failures)} cycles failed: {failures[:5]}; the nodes' lease:\n" + \
+        "\n".join(f"{name}: {line}" for name, node in cluster.nodes.items()
+                  for line in node.log_tail(20000).splitlines() if "heartbeat" in line or "FENCED" in line)[-6000:]
     for nid in ("a", "b", "c"):
         assert peaks[nid] <= peaks[f"{nid}-max"], f"node {nid} went over capacity: {dict(peaks)}"
 

@@ -138,6 +138,28 @@ async def test_concurrent_opens_of_a_legacy_database_migrate_once(backend, datab
         await asyncio.gather(*(s.close() for s in stores))
 
 
+async def test_upgrades_of_different_databases_at_once_in_one_process(tmp_path):
+    """Alembic keeps its migration context in module globals for the length of a run: two upgrades
+    at once in one process (here of different databases, which share no database lock) must not
+    tear down each other's."""
+    from agentenv.state.sqlite import SQLiteStateStore
+
+    paths = [str(tmp_path / f"state{i}.db") for i in range(4)]
+    for i, path in enumerate(paths):
+        await _legacy_database("sqlite", path, 1, "INSERT INTO api_keys (key_id, key_hash, team_id, name, "
+                                                  f"created_at, revoked) VALUES ('k{i}', 'a{i}', 'team-{i}', 'k', "
+                                                  "'2026-01-01T00:00:00.000000+00:00', 0);")
+    stores = [SQLiteStateStore(p) for p in paths]
+    try:
+        results = await asyncio.gather(*(s.open() for s in stores), return_exceptions=True)
+        assert [r for r in results if isinstance(r, BaseException)] == []
+        for i, s in enumerate(stores):
+            assert await s.schema_revision() == migrate.head()
+            assert (await s.find_api_key(f"a{i}")).team_id == f"team-{i}"
+    finally:
+        await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
+
+
 async def test_sqlite_reopen_keeps_data_and_wal(tmp_path):
     from agentenv.state.sqlite import SQLiteStateStore
 

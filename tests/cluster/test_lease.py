@@ -1,0 +1,92 @@
+"""A node's lease (`cluster/fence.py`) against a state store that is slow, not gone: a heartbeat that
+takes longer than one heartbeat interval still renews the lease, and a store that never answers
+still fences the node within `Settings.fence_timing`.
+
+One real node agent (`NodeAgent`, its heartbeat loop and lease watch) on a real PostgreSQL; what is
+not started is the orchestrator (no sandboxes: the agent needs only its counts). The store's
+heartbeat write is held back as a store under load would answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from agentenv.cluster.node import NodeAgent, NodeScopedStore
+from agentenv.config import Settings
+from agentenv.state.postgres import PostgresStateStore
+
+HEARTBEAT_S = 0.2
+DEAD_AFTER_S = 5.0  # lease: 0.6 x = 3 s
+
+
+class SlowStore(PostgresStateStore):
+    """Heartbeats land `delay` seconds late; `delay=None`: they never do."""
+
+    def __init__(self, dsn: str, delay: float | None) -> None:
+        super().__init__(dsn)
+        self.delay = delay
+        self.landed = 0
+
+    async def put_node(self, rec):
+        if self.delay is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.delay)
+        state = await super().put_node(rec)
+        self.landed += 1
+        return state
+
+
+@pytest.fixture
+def database(postgres):
+    url = postgres.create_database()
+    yield url
+    postgres.drop_database(url)
+
+
+async def _agent(tmp_path, store: SlowStore) -> NodeAgent:
+    settings = Settings(data_dir=tmp_path, node_id="lease-test", heartbeat_interval_s=HEARTBEAT_S,
+                        node_dead_after_s=DEAD_AFTER_S, node_url="http://127.0.0.1:1")
+    settings.fence_timing()  # valid lease settings
+    await store.open()
+    orch = SimpleNamespace(usage=lambda: (0, 0, 0), artifacts=SimpleNamespace(root=tmp_path), runtimes={},
+                           running_ids=lambda: [], records=lambda: [])
+    return NodeAgent(settings, SimpleNamespace(orchestrator=orch, store=NodeScopedStore(store, "lease-test"),
+                                               proxy=None))
+
+
+async def test_a_store_slower_than_the_heartbeat_interval_keeps_the_lease(tmp_path, database):
+    store = SlowStore(database, delay=2.5 * HEARTBEAT_S)
+    agent = await _agent(tmp_path, store)
+    agent.start()
+    try:
+        await asyncio.sleep(2.5 * agent.fence.fence_after)
+        assert not agent.fence.fenced, "a slow store fenced the node"
+        assert store.landed >= 3
+        rec = await store.get_node("lease-test")
+        assert rec is not None and rec.state == "active"
+    finally:
+        await agent.stop()
+        await agent.client.close()
+        await store.close()
+
+
+async def test_a_store_that_never_answers_fences_in_time(tmp_path, database):
+    store = SlowStore(database, delay=None)
+    agent = await _agent(tmp_path, store)
+    agent.start()
+    try:
+        stop_by, _ = agent.settings.fence_timing()
+        lapse_from = agent.fence.renewed_at
+        deadline = time.monotonic() + 3 * stop_by
+        while not agent.fence.fenced and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert agent.fence.fenced
+        assert agent.fence.fenced_at - lapse_from <= stop_by + 0.3, (agent.fence.fenced_at - lapse_from, stop_by)
+    finally:
+        await agent.stop()
+        await agent.client.close()
+        store.delay = 0.0
+        await store.close()
