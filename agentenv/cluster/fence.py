@@ -96,7 +96,7 @@ class Fence:
         try:
             timeout = self.attempt_s if last else self._attempt_timeout("store")
             await asyncio.wait_for(self._store_heartbeat(rec), timeout)
-            self.renewed_at = max(self.renewed_at, t0)
+            self._renewed(t0, "the state store")
             self._store_failing_since = None
             return "store"
         except Exception as e:  # noqa: BLE001 - unreachable, timed out, refused: all the same here
@@ -109,11 +109,18 @@ class Fence:
                 timeout = self.attempt_s if last else self._attempt_timeout("scheduler")
                 await asyncio.wait_for(self.agent.client.post(f"{url}/internal/heartbeat", codec.encode(rec),
                                                               what="the scheduler"), timeout)
-                self.renewed_at = max(self.renewed_at, t0)
+                self._renewed(t0, "the scheduler")
                 return "scheduler"
             except Exception as e:  # noqa: BLE001
                 log.warning("heartbeat relayed by the scheduler failed: %s", str(e) or type(e).__name__)
         return None
+
+    def _renewed(self, t0: float, way: str) -> None:
+        took = time.monotonic() - t0
+        if took > self.attempt_s:  # slow, not lost: worth seeing before it ever comes close to a fence
+            log.warning("heartbeat through %s took %.1fs (the lease had %.1fs left)", way, took,
+                        self.fence_after - (t0 - self.renewed_at))
+        self.renewed_at = max(self.renewed_at, t0)
 
     async def _store_heartbeat(self, rec) -> None:
         store = self.agent.store
