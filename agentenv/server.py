@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -212,11 +212,38 @@ def on_signals(signals: tuple[signal.Signals, ...], callback: Callable[[], None]
         signal.signal(sig, on_signal)
 
 
-async def wait_for_stop_signal() -> None:
-    """Return when SIGINT or SIGTERM reaches this process (every server role stops this way)."""
-    stop = asyncio.Event()
-    on_signals((signal.SIGINT, signal.SIGTERM), stop.set)
-    await stop.wait()
+class StopRequested(Exception):
+    """SIGINT/SIGTERM arrived while a role was still starting a step that can be abandoned."""
+
+
+class StopSignal:
+    """SIGINT/SIGTERM as an event. Made before a role starts anything: a signal that arrives during
+    its startup then ends it in order (the role's own cleanup runs), where the default action would
+    kill the process half-started and leave its sandboxes, mounts and helpers behind."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        on_signals((signal.SIGINT, signal.SIGTERM), self.event.set)
+
+    async def wait(self) -> None:
+        await self.event.wait()
+
+    async def unless_stopped(self, aw: Awaitable[Any]) -> Any:
+        """Await `aw`, abandoning it (cancelled) with StopRequested if a stop signal comes first."""
+        if self.event.is_set():
+            raise StopRequested
+        work = asyncio.ensure_future(aw)
+        stopped = asyncio.create_task(self.event.wait())
+        try:
+            await asyncio.wait({work, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            raise StopRequested
+        return work.result()
+
 
 
 async def serve(settings: Settings, *, progress=None) -> None:
@@ -226,6 +253,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
     from agentenv.observability.logs import configure_logging
 
     configure_logging(logging.getLevelName(logging.getLogger().level), settings.log_format)
+    stop = StopSignal()
     become_subreaper()
     reaper = asyncio.create_task(reap_forever(), name="orphan-reaper")
     c = await build(settings)
@@ -237,8 +265,10 @@ async def serve(settings: Settings, *, progress=None) -> None:
     store_gc = None
     try:
         # Images first: the first create must not pay for a debootstrap.
-        await c.images.ensure_base(progress)
-        await c.images.ensure_tools(progress)
+        # A stop signal abandons them (a first start may debootstrap for minutes); what follows is
+        # short and always finishes, so the cleanup below knows what it has to stop.
+        await stop.unless_stopped(c.images.ensure_base(progress))
+        await stop.unless_stopped(c.images.ensure_tools(progress))
         api_key = await _bootstrap_key(c, settings)
         chosen = _plan_data_plane(settings)
         await c.orchestrator.start()
@@ -269,7 +299,9 @@ async def serve(settings: Settings, *, progress=None) -> None:
         log.info("data plane: %s", chosen.reason)
         _print_banner(settings, api_key, chosen.tls.ca if chosen.tls else None)
 
-        await wait_for_stop_signal()
+        await stop.wait()
+    except StopRequested:
+        log.info("stopped while starting")
     finally:
         # Runs on every exit, including a failed start: an unclosed store would keep its worker
         # thread alive and the process would never exit.

@@ -222,8 +222,10 @@ def run_gc(data_dir: Path, env_overrides: dict[str, str] | None = None) -> subpr
 
 
 def start_extra_server(data_dir: Path, *, api_key: str | None = None, env: dict[str, str] | None = None,
-                       startup_timeout: float = 120, log_name: str | None = None) -> ExtraServer:
-    """Start `agentenv serve` on `data_dir` (a free port, its own API key) and wait for GET /health."""
+                       startup_timeout: float = 120, log_name: str | None = None,
+                       wait_healthy: bool = True) -> ExtraServer:
+    """Start `agentenv serve` on `data_dir` (a free port, its own API key) and wait for GET /health
+    (`wait_healthy=False`: return at once, the server still starting)."""
     port = free_port()
     api_key = api_key or new_api_key()
     url = f"http://127.0.0.1:{port}"
@@ -241,6 +243,8 @@ def start_extra_server(data_dir: Path, *, api_key: str | None = None, env: dict[
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     srv = ExtraServer(url=url, api_key=api_key, data_dir=data_dir, log_path=log_path, env=overrides, proc=proc,
                       preexisting_netns=preexisting)
+    if not wait_healthy:
+        return srv
     deadline = time.monotonic() + startup_timeout
     last = "no response yet"
     while True:

@@ -36,8 +36,9 @@ def start_role(settings, role: str):
 
 async def run_app(app: web.Application, host: str, port: int, *, on_started: Callable[[], Awaitable[None]] | None = None,
                   ssl_context=None, **runner_options) -> None:
-    from agentenv.server import StartupError, wait_for_stop_signal
+    from agentenv.server import StartupError, StopSignal
 
+    stop = StopSignal()  # before anything starts: a signal during startup still stops in order
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
@@ -48,7 +49,7 @@ async def run_app(app: web.Application, host: str, port: int, *, on_started: Cal
             raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
         if on_started is not None:
             await on_started()
-        await wait_for_stop_signal()
+        await stop.wait()
     finally:
         await site.stop()
         await runner.cleanup()

@@ -12,7 +12,7 @@ from e2b import Sandbox
 
 from leftovers import NETNS_PREFIX, agentenv_netns
 from lifecycle_util import slow_delete_runsc
-from serverproc import new_data_dir, remove_data_dir, start_extra_server
+from serverproc import new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 
 def _wait_for(pred, what: str, limit: float = 180.0):
@@ -80,6 +80,30 @@ def _warm_sandbox(data_dir: Path) -> str | None:
     """The id of the warm-image sandbox being built on `data_dir` (its sandbox dir), if any."""
     d = data_dir / "sandboxes"
     return next((p.name for p in d.iterdir() if p.name.startswith("w")), None) if d.is_dir() else None
+
+
+@pytest.mark.timeout(400)
+def test_a_stop_signal_while_the_server_is_still_starting_stops_it_in_order(server):
+    """SIGTERM after startup made the warm image's sandbox but before the server answers: the
+    server stops in order (exit 0, its own cleanup), it is not killed half-started with that
+    sandbox's netns, mount and HAProxy left behind (what the default action of SIGTERM did)."""
+    data_dir = new_data_dir("startstop")
+    srv = None
+    try:
+        srv = start_extra_server(data_dir, env={"AGENTENV_WARM_START": "true"}, wait_healthy=False)
+        deadline = time.monotonic() + 300
+        while _warm_sandbox(data_dir) is None:
+            assert srv.proc.poll() is None, srv.log_tail()
+            assert time.monotonic() < deadline, "no warm-image sandbox after 300 s"
+            time.sleep(0.01)
+        srv.known_ids.add(_warm_sandbox(data_dir))
+        problems = srv.stop(gc=False)  # raises when anything of this server is left
+        assert not problems, problems
+        assert srv.proc.returncode == 0, srv.log_tail()
+        assert "shutting down" in srv.log_tail(), srv.log_tail()
+    finally:
+        stop_unchecked(srv)
+        remove_data_dir(data_dir)
 
 
 @pytest.mark.timeout(400)
