@@ -245,7 +245,6 @@ class StopSignal:
         return work.result()
 
 
-
 async def serve(settings: Settings, *, progress=None) -> None:
     from agentenv.proxy import LISTENER_OPTIONS
     from agentenv.runtimes._reaper import become_subreaper, reap_forever
