@@ -9,7 +9,9 @@ heartbeat write is held back as a store under load would answer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
@@ -46,38 +48,38 @@ def database(postgres):
     postgres.drop_database(url)
 
 
-async def _agent(tmp_path, store: SlowStore) -> NodeAgent:
+@contextlib.asynccontextmanager
+async def _running_agent(tmp_path, store: SlowStore) -> AsyncIterator[NodeAgent]:
+    """A started node agent (heartbeat loop + lease watch) on `store`; stopped and closed after."""
     settings = Settings(data_dir=tmp_path, node_id="lease-test", heartbeat_interval_s=HEARTBEAT_S,
                         node_dead_after_s=DEAD_AFTER_S, node_url="http://127.0.0.1:1")
     settings.fence_timing()  # valid lease settings
     await store.open()
     orch = SimpleNamespace(usage=lambda: (0, 0, 0), artifacts=SimpleNamespace(root=tmp_path), runtimes={},
                            running_ids=lambda: [], records=lambda: [])
-    return NodeAgent(settings, SimpleNamespace(orchestrator=orch, store=NodeScopedStore(store, "lease-test"),
-                                               proxy=None))
-
-
-async def test_a_store_slower_than_the_heartbeat_interval_keeps_the_lease(tmp_path, database):
-    store = SlowStore(database, delay=2.5 * HEARTBEAT_S)
-    agent = await _agent(tmp_path, store)
+    agent = NodeAgent(settings, SimpleNamespace(orchestrator=orch, store=NodeScopedStore(store, "lease-test"),
+                                                proxy=None))
     agent.start()
     try:
-        await asyncio.sleep(2.5 * agent.fence.fence_after)
-        assert not agent.fence.fenced, "a slow store fenced the node"
-        assert store.landed >= 3
-        rec = await store.get_node("lease-test")
-        assert rec is not None and rec.state == "active"
+        yield agent
     finally:
         await agent.stop()
         await agent.client.close()
         await store.close()
 
 
+async def test_a_store_slower_than_the_heartbeat_interval_keeps_the_lease(tmp_path, database):
+    store = SlowStore(database, delay=2.5 * HEARTBEAT_S)
+    async with _running_agent(tmp_path, store) as agent:
+        await asyncio.sleep(2.5 * agent.fence.fence_after)
+        assert not agent.fence.fenced, "a slow store fenced the node"
+        assert store.landed >= 3
+        rec = await store.get_node("lease-test")
+        assert rec is not None and rec.state == "active"
+
+
 async def test_a_store_that_never_answers_fences_in_time(tmp_path, database):
-    store = SlowStore(database, delay=None)
-    agent = await _agent(tmp_path, store)
-    agent.start()
-    try:
+    async with _running_agent(tmp_path, SlowStore(database, delay=None)) as agent:
         stop_by, _ = agent.settings.fence_timing()
         lapse_from = agent.fence.renewed_at
         deadline = time.monotonic() + 3 * stop_by
@@ -85,8 +87,3 @@ async def test_a_store_that_never_answers_fences_in_time(tmp_path, database):
             await asyncio.sleep(0.05)
         assert agent.fence.fenced
         assert agent.fence.fenced_at - lapse_from <= stop_by + 0.3, (agent.fence.fenced_at - lapse_from, stop_by)
-    finally:
-        await agent.stop()
-        await agent.client.close()
-        store.delay = 0.0
-        await store.close()
