@@ -308,7 +308,8 @@ class SandboxHost:
         with span("host.quiesce", sandbox_id):
             for cb in self.on_before_stop:
                 try:
-                    await cb(sandbox_id)
+                    with span(f"quiesce.{getattr(cb, '__name__', 'hook')}", sandbox_id):
+                        await cb(sandbox_id)
                 except Exception:  # noqa: BLE001
                     log.exception("before-stop hook failed for %s", sandbox_id)
 

@@ -9,7 +9,7 @@ reconcile repairs anything an event did not say. No reload ever happens for a ro
 
 Before a sandbox is paused, forked, snapshotted or killed (`Orchestrator.on_before_stop`) its routes
 are removed first (new requests then reach the Python proxy, which waits and wakes), and after the
-Python proxy closed its own connections, HAProxy's into it are reset (`ss -K`).
+Python proxy closed its own connections, HAProxy's into it are reset (`network/sockdiag.py`, what `ss -K` does).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentenv.errors import RuntimeFailure
+from agentenv.network import sockdiag
 from agentenv.proc import CommandError, run_cmd, run_streamed
 from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, HaproxyLayout, render
 
@@ -36,8 +37,6 @@ log = logging.getLogger(__name__)
 _LINE_BYTES = 8000
 _RECONCILE_S = 5.0
 _RESTART_DELAY_S = (0.5, 1.0, 2.0, 5.0)
-_SS_USER = re.compile(r'\("haproxy",pid=(\d+),')
-_SS_LOCAL_PORT = re.compile(r":(\d+)$")
 # What may go into a runtime-API command: ids, tokens (token_urlsafe) and addresses never need more.
 _SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
@@ -413,17 +412,8 @@ class DataPlane:
         if pid is None:
             return
         try:
-            res = await run_cmd(["ss", "-Htnp", "state", "established", "dst", host_ip], timeout=10, check=False)
-            ports = []
-            for line in res.stdout.splitlines():
-                users = _SS_USER.findall(line)
-                fields = line.split()
-                if str(pid) in users and len(fields) >= 3:
-                    m = _SS_LOCAL_PORT.search(fields[2])
-                    if m:
-                        ports.append(m.group(1))
-            if ports:
-                sel = " or ".join(f"sport = :{p}" for p in ports)
-                await run_cmd(["ss", "-HK", "dst", host_ip, f"( {sel} )"], timeout=10, check=False)
-        except (OSError, CommandError) as e:
+            n = await asyncio.to_thread(sockdiag.reset_connections, pid, host_ip)
+            if n:
+                log.debug("reset %d of haproxy's connections to %s", n, host_ip)
+        except OSError as e:
             log.warning("could not reset haproxy's connections to %s: %s", host_ip, e)
