@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from agentenv.envd import connect
+from agentenv.envd import connect, userspawn
 from agentenv.envd.connect import ConnectError, b64decode, b64encode, field as pfield
 from agentenv.envd.state import EnvdState, get_state, process_env, rpc_user
 from agentenv.envd.users import User, resolve_path
@@ -249,12 +249,14 @@ class ProcessManager:
                     os.close(slave)
                 protocol.pipes_done.set()
             else:
-                transport, _ = await loop.subprocess_exec(
-                    lambda: protocol, cmd, *args,
-                    stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    cwd=cwd, env=env, start_new_session=True, **creds,
-                )
+                pipes: dict[str, Any] = dict(stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             cwd=cwd, env=env, start_new_session=True)
+                if creds and userspawn.available():  # vfork under this thread's switched credentials
+                    transport, _ = await userspawn.spawn_as(
+                        user, loop.subprocess_exec(lambda: protocol, cmd, *args, **pipes))
+                else:
+                    transport, _ = await loop.subprocess_exec(lambda: protocol, cmd, *args, **pipes, **creds)
         except FileNotFoundError as exc:
             raise ConnectError("invalid_argument", f"failed to start process: {exc}") from None
         except PermissionError as exc:

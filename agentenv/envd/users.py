@@ -21,6 +21,7 @@ from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
+_KEEP = -1 & 0xFFFFFFFF   # "leave this id as it is" for setres[ug]id
 # (setgroups, setresuid, setresgid) syscall numbers.
 _SYSCALLS = {
     "x86_64": (116, 117, 119),
@@ -86,7 +87,13 @@ def resolve_path(path: str, user: User) -> str:
     return os.path.normpath(path)
 
 
-class _Creds:
+def thread_creds_supported() -> bool:
+    return platform.machine() in _SYSCALLS
+
+
+class ThreadCreds:
+    """Switch the calling thread's credentials to a user's and back (raw syscalls: this thread only)."""
+
     def __init__(self) -> None:
         self._libc = ctypes.CDLL(None, use_errno=True)
         nums = _SYSCALLS.get(platform.machine())
@@ -100,15 +107,17 @@ class _Creds:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
 
-    def become(self, user: User) -> None:
+    def become(self, user: User, *, real: bool = False) -> None:
+        """Act as `user`: the effective ids, or (`real`) the real ones too, for a process this thread
+        starts. The saved uid stays root's either way, so `restore` can switch back."""
         arr = (ctypes.c_uint * len(user.groups))(*user.groups)
         self._call(self._setgroups, len(user.groups), arr)
-        self._call(self._setresgid, -1 & 0xFFFFFFFF, user.gid, -1 & 0xFFFFFFFF)
-        self._call(self._setresuid, -1 & 0xFFFFFFFF, user.uid, -1 & 0xFFFFFFFF)
+        self._call(self._setresgid, user.gid if real else _KEEP, user.gid, _KEEP)
+        self._call(self._setresuid, user.uid if real else _KEEP, user.uid, _KEEP)
 
     def restore(self) -> None:
-        self._call(self._setresuid, -1 & 0xFFFFFFFF, 0, -1 & 0xFFFFFFFF)
-        self._call(self._setresgid, -1 & 0xFFFFFFFF, 0, -1 & 0xFFFFFFFF)
+        self._call(self._setresuid, 0, 0, _KEEP)   # first: it brings back the capabilities the rest need
+        self._call(self._setresgid, 0, 0, _KEEP)
         arr = (ctypes.c_uint * len(self._root_groups))(*self._root_groups)
         self._call(self._setgroups, len(self._root_groups), arr)
 
@@ -118,7 +127,7 @@ class UserExecutor:
 
     def __init__(self, max_workers: int = 4) -> None:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="envd-user")
-        self._creds = _Creds() if os.geteuid() == 0 else None
+        self._creds = ThreadCreds() if os.geteuid() == 0 else None
 
     def _run(self, user: User | None, fn: Callable[..., T], *args: Any) -> T:
         if user is None or user.is_root or self._creds is None:

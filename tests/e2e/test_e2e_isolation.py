@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from e2b import Sandbox
+from e2b import Sandbox, SandboxException
 
 from e2e_util import SandboxFactory, new_tag, wait_until
 
@@ -96,3 +96,23 @@ def test_traffic_to_unknown_sandbox_is_502(server):
     r = _proxy_get(server, "nosuchsandbox0000000", 8080)
     assert r.status_code == 502
     assert "was not found" in r.text
+
+
+def test_a_users_command_has_none_of_envds_root(pair):
+    """Commands as `user` start with the user's real, effective and saved ids and groups and no
+    capabilities (envd switches only its spawning thread's credentials), and envd is root again
+    for the next command and file operation."""
+    a, _ = pair
+    for _ in range(3):   # a switch back that failed would show in the next round
+        status = a.commands.run("grep -E '^(Uid|Gid|Groups|CapPrm|CapEff):' /proc/self/status").stdout
+        fields = {line.split(":")[0]: line.split(":", 1)[1].split() for line in status.splitlines()}
+        assert fields["Uid"] == ["1000"] * 4 and fields["Gid"] == ["1000"] * 4, status
+        assert fields["Groups"] == ["1000"], status
+        assert fields["CapPrm"] == fields["CapEff"] == ["0000000000000000"], status
+        back = a.commands.run("python3 -c 'import os; os.setresuid(0, 0, 0)' 2>&1 || echo refused").stdout
+        assert back.endswith("refused\n"), back
+        root = a.commands.run("id -u; grep ^CapEff /proc/self/status", user="root").stdout.split()
+        assert root[0] == "0" and root[2] != "0" * 16, root
+        a.files.write("/etc/agentenv-root-check", "x", user="root")   # envd's file side is root again too
+        with pytest.raises(SandboxException):
+            a.files.write("/etc/agentenv-user-check", "x")         # and as user it is not
