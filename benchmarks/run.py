@@ -173,6 +173,13 @@ def wrk(url: str, *, connections: int, seconds: int, headers: dict[str, str] | N
             "seconds": seconds, "raw": out}
 
 
+def machine_cpu_s() -> float:
+    """CPU seconds the whole machine spent so far (user + system + irq, not idle or iowait)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def capture_times(logtxt: str) -> tuple[float, float, float] | None:
     """(checkpoint, seal, source unavailable) of the first capture in a server log excerpt: a capture
     that stops the source ("captured X: checkpoint C s, seal S s, source back after B s") or one
@@ -848,6 +855,7 @@ class Bench:
             try:
                 src.commands.run("echo hi > /tmp/marker")
                 mark = self.srv.log_mark()
+                cpu0 = machine_cpu_s()
                 t0 = time.monotonic()
                 res = src.fork(count=n, timeout=1800)
                 t_call = time.monotonic() - t0
@@ -855,6 +863,7 @@ class Bench:
                 errs = [repr(k) for k in res if isinstance(k, Exception)]
                 list(self.pool.map(lambda k: k.commands.run("cat /tmp/marker"), kids))
                 t_all = time.monotonic() - t0
+                cpu = machine_cpu_s() - cpu0
                 src.commands.run("true")
                 logtxt = self.srv.log_since(mark)
                 m = capture_times(logtxt)
@@ -863,6 +872,7 @@ class Bench:
                     time.sleep(2)
                     pss = [sandbox_pss_mb(k.sandbox_id)[0] for k in kids]
                 out[str(n)] = {"ok": len(kids), "errors": errs, "fork_call": t_call, "all_answer": t_all,
+                               "machine_cpu_s": cpu,
                                "source_checkpoint": m[0] if m else None,
                                "source_seal": m[1] if m else None,
                                "source_paused": m[2] if m else None,
@@ -886,7 +896,9 @@ class Bench:
                 await asyncio.gather(*(self.raw.restore_into(i, img) for i in ids))
                 return time.monotonic() - t0
             try:
+                cpu0 = machine_cpu_s()
                 raw[str(n)] = {"all_answer": self.raw.run(par())}
+                raw[str(n)]["machine_cpu_s"] = machine_cpu_s() - cpu0
                 log(f"raw parallel restore {n}: all answered in {raw[str(n)]['all_answer']:.2f}s")
                 if n == 4:
                     time.sleep(2)
@@ -1376,14 +1388,17 @@ def report(res: dict) -> str:
     if fk:
         L += ["### 4b. Fork", "",
               "| children | agentenv: fork call | agentenv: every child answered `commands.run` | source paused "
-              "(checkpoint / seal) | raw: N parallel `runsc restore` all answering |",
-              "|---|---|---|---|---|"]
+              "(checkpoint / seal) | raw: N parallel `runsc restore` all answering | machine CPU, agentenv / raw |",
+              "|---|---|---|---|---|---|"]
         for n, o in fk["ours"].items():
             r = fk["raw_parallel_restore"].get(n, {})
             L.append(f"| {n} ({o['ok']} ok) | {s_(o['fork_call'])} | {s_(o['all_answer'])} | "
                      f"{s_(o['source_paused'])} ({s_(o['source_checkpoint'])} / {s_(o['source_seal'])}) | "
-                     f"{s_(r.get('all_answer'))} |")
-        L += ["", f"Raw `runsc checkpoint` of the bare source: {s_(fk['raw_checkpoint'])}.", ""]
+                     f"{s_(r.get('all_answer'))} | {s_(o.get('machine_cpu_s'))} / {s_(r.get('machine_cpu_s'))} |")
+        L += ["", f"Raw `runsc checkpoint` of the bare source: {s_(fk['raw_checkpoint'])}. Machine CPU: "
+              "CPU seconds of the whole host (`/proc/stat`) from the fork call until every child answered "
+              "(agentenv: the source's checkpoint, the children's restores, envd, the server, the SDK), "
+              "and over the raw parallel restores.", ""]
         kids = fk["ours"].get("4", {}).get("child_pss_MiB") or []
         rkids = fk["raw_parallel_restore"].get("4", {}).get("child_pss_MiB") or []
         L += ["Host memory (sum of PSS of runsc-sandbox, gofer and ptrace stub processes):", "",
