@@ -105,6 +105,23 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def _group_members(pgid: int) -> str:
+    """`pid: command line` of each process in the group (what a failed check names)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(name)) != pgid:
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            found.append(f"{name}: {cmdline[:200]}")
+        except OSError:
+            continue
+    return "; ".join(found) or "(gone meanwhile)"
+
+
 @dataclass
 class ExtraServer:
     url: str
@@ -200,7 +217,8 @@ def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:
         problems.append(f"server {proc.pid} had already exited with code {proc.returncode}")
     if _group_alive(pgid):
         if proc.poll() is not None:
-            problems.append(f"server {proc.pid} exited but left processes in its process group; killed")
+            problems.append(f"server {proc.pid} exited but left processes in its process group; killed: "
+                            f"{_group_members(pgid)}")
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:

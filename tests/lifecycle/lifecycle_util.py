@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import secrets
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,12 +160,16 @@ def kill_quietly(sbx) -> None:
 
 
 # runsc whose `delete` takes 3 s and is dropped when the server that asked for it died meanwhile: a
-# teardown or a pause's stand-down is then still running when the test's next step comes.
-SLOW_DELETE_RUNSC = """#!/bin/sh
-for a in "$@"; do
-  if [ "$a" = delete ]; then sleep 3; kill -0 $PPID 2>/dev/null || exit 1; break; fi
-done
-exec {real} "$@"
+# teardown or a pause's stand-down is then still running when the test's next step comes. It waits
+# in its own process (no `sleep` child), so a server that kills it leaves no orphan behind.
+SLOW_DELETE_RUNSC = """#!{python} -IS
+import os, sys, time
+if "delete" in sys.argv[1:]:
+    parent = os.getppid()
+    time.sleep(3)
+    if os.getppid() != parent:
+        sys.exit(1)
+os.execv({real!r}, [{real!r}] + sys.argv[1:])
 """
 
 
@@ -173,6 +178,6 @@ def slow_delete_runsc(where: Path) -> Path:
     real = shutil.which("runsc")
     assert real, "runsc not installed"
     wrapper = where / "runsc-slow-delete"
-    wrapper.write_text(SLOW_DELETE_RUNSC.format(real=real))
+    wrapper.write_text(SLOW_DELETE_RUNSC.format(python=sys.executable, real=real))
     wrapper.chmod(0o755)
     return wrapper
