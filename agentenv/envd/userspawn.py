@@ -21,6 +21,7 @@ child watcher's thread that 3.11 starts in that step inherits the user's credent
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -32,17 +33,20 @@ from agentenv.envd.users import ThreadCreds, User, thread_creds_supported
 
 T = TypeVar("T")
 
-_CREDS: ThreadCreds | None = None
-
-
 class SpawnError(OSError):
     pass
 
 
+@functools.cache
 def available() -> bool:
     """Whether `spawn_as` works here: root, a known architecture, a CPython whose `subprocess_exec`
     spawns in its first step."""
     return os.geteuid() == 0 and thread_creds_supported() and (3, 11) <= sys.version_info[:2] <= (3, 13)
+
+
+@functools.cache
+def _creds() -> ThreadCreds:
+    return ThreadCreds()
 
 
 @types.coroutine
@@ -77,10 +81,7 @@ def _real_uid(pid: int) -> int | None:
 async def spawn_as(user: User, start: Coroutine[Any, Any, T]) -> T:
     """Await `start`, a `loop.subprocess_exec(...)` without `user=`, so that its process starts as
     `user` (uid, gid, groups). Returns what `start` returns: (transport, protocol)."""
-    global _CREDS
-    if _CREDS is None:
-        _CREDS = ThreadCreds()
-    creds = _CREDS
+    creds = _creds()
     done = False
     try:
         creds.become(user, real=True)
