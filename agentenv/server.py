@@ -148,12 +148,14 @@ def _plan_data_plane(settings: Settings):
         raise StartupError(str(e)) from None
 
 
-async def _start_haproxy(settings: Settings, chosen, c: Components, runner: web.AppRunner):
-    """HAProxy owns the public listeners; the Python server answers it on a unix socket."""
+async def _start_haproxy(settings: Settings, chosen, c: Components, runner: web.AppRunner, *,
+                         source=None, cluster=None):
+    """HAProxy owns the public listeners; the Python server answers it on a unix socket.
+    `source`, `cluster`: a cluster node's routes and listener (`dataplane.make`)."""
     from agentenv.errors import AgentEnvError
     from agentenv.proxy import dataplane
 
-    dp = dataplane.make(settings, chosen, c.orchestrator)
+    dp = dataplane.make(settings, chosen, c.orchestrator, source=source, cluster=cluster)
     dataplane.attach(dp, c.orchestrator)
     sock = dp.layout.app_socket
     sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -1460,6 +1460,15 @@ def report(res: dict) -> str:
             st = cl[k]
             L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
         L += ["", f"Overhead of the gateway + scheduler at p50: {ms(cl['overhead_p50'])}.", ""]
+        tr = cl.get("traffic")
+        if tr:
+            L += [f"Sandbox traffic on the node (`wrk`, 23-byte answers; node data plane: {tr['node_data_plane']}):", "",
+                  "| connections | path | requests/s | p50 |", "|---|---|---|---|"]
+            for conns, runs in tr["runs"].items():
+                for name, label in (("node", "the node's listener"), ("gateway", "through the gateway")):
+                    r = runs[name]
+                    L.append(f"| {conns} | {label} | {r['rps']:,.0f} | {r['p50'] * 1000:.2f} ms |")
+            L.append("")
     if res.get("errors"):
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
     mt = res.get("metrics")
@@ -1588,6 +1597,8 @@ def cluster_bench(quick: bool) -> dict:
         out["direct_info"] = stats(timings["direct_info"])
         log(f"cluster: create p50 via gateway {out['gateway_create']['p50']*1000:.0f} ms, direct "
             f"{out['direct_create']['p50']*1000:.0f} ms")
+        if shutil.which("wrk"):
+            out["traffic"] = cluster_traffic(key, urls, quick)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -1600,6 +1611,44 @@ def cluster_bench(quick: bool) -> dict:
         env = dict(os.environ, AGENTENV_DATA_DIR=str(data))
         subprocess.run([AGENTENV, "gc"], env=env, capture_output=True, timeout=180, stdin=subprocess.DEVNULL)
     return out
+
+
+def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
+    """wrk to one in-sandbox server (the proxy benchmark's) on a cluster node: through the node's
+    own listener (its data plane: HAProxy when installed) and through the gateway (the gateway's
+    Python proxy, then the node's listener), taking turns, medians of the rounds."""
+    import requests
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(api_key=key, api_url=urls["gateway"], sandbox_url=urls["gateway"], timeout=300)
+    try:
+        sbx.files.write("/tmp/bench_app.py", PROXY_APP)
+        sbx.commands.run("setsid nohup python3 /tmp/bench_app.py >/tmp/bench_app.log 2>&1 </dev/null &")
+        route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(PROXY_APP_PORT)}
+        deadline = time.monotonic() + 60
+        while requests.get(f"{urls['node']}/", headers=route, timeout=5).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the benchmark app in the sandbox did not answer")
+            time.sleep(0.2)
+        node_log = (BENCH_DIR.parent / (BENCH_DIR.name + "-cluster-node") / "node.log").read_text(errors="replace")
+        out: dict = {"node_data_plane": "haproxy" if "data plane: haproxy" in node_log else "python", "runs": {}}
+        seconds = 2 if quick else 4
+        for conns in (1, 32):
+            rounds: dict[str, list[dict]] = {"node": [], "gateway": []}
+            for name in rounds:
+                wrk(f"{urls[name]}/", connections=conns, seconds=1, headers=route)  # warm-up
+            for _ in range(3):
+                for name in rounds:
+                    rounds[name].append(wrk(f"{urls[name]}/", connections=conns, seconds=seconds, headers=route))
+            for name, rs in rounds.items():
+                r = {"rps": statistics.median(x["rps"] or 0 for x in rs), "p50": statistics.median(x["p50"] for x in rs),
+                     "non_2xx": sum(x["non_2xx"] for x in rs), "socket_errors": sum(x["socket_errors"] for x in rs)}
+                out["runs"].setdefault(str(conns), {})[name] = r
+                log(f"cluster traffic: {name:7s} c={conns:2d}: {r['rps']:.0f} req/s, p50 {r['p50'] * 1000:.2f} ms, "
+                    f"non-2xx {r['non_2xx']}, socket errors {r['socket_errors']}")
+        return out
+    finally:
+        sbx.kill()
 
 
 # ---------------------------------------------------------------- main

@@ -34,22 +34,35 @@ def start_role(settings, role: str):
     return open_cluster_store(settings)
 
 
+Listen = Callable[[web.AppRunner], Awaitable[tuple[web.BaseSite, Callable[[], Awaitable[None]] | None]]]
+
+
 async def run_app(app: web.Application, host: str, port: int, *, on_started: Callable[[], Awaitable[None]] | None = None,
-                  ssl_context=None, **runner_options) -> None:
+                  ssl_context=None, listen: Listen | None = None, **runner_options) -> None:
+    """`listen`: opens the app's listener(s) itself (a node's HAProxy data plane in front of a unix
+    socket) and returns the site and what stops the rest; default: a TCP listener on host:port."""
     from agentenv.server import StartupError, StopSignal
 
     stop = StopSignal()  # before anything starts: a signal during startup still stops in order
     runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
+    site: web.BaseSite | None = None
+    stop_listener: Callable[[], Awaitable[None]] | None = None
     try:
-        try:
-            await site.start()
-        except OSError as e:
-            raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+        if listen is not None:
+            site, stop_listener = await listen(runner)
+        else:
+            site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=ssl_context)
+            try:
+                await site.start()
+            except OSError as e:
+                raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
         if on_started is not None:
             await on_started()
         await stop.wait()
     finally:
-        await site.stop()
+        if stop_listener is not None:
+            await stop_listener()
+        if site is not None:
+            await site.stop()
         await runner.cleanup()

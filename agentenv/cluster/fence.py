@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -72,6 +73,9 @@ class Fence:
         self._store_failing_since: float | None = None
         self._holding: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
+        # Awaited with each running sandbox's id when the node is fenced, after the Python proxy
+        # closed its connections: the HAProxy data plane takes it off the fast path and resets its own.
+        self.on_fenced: list[Callable[[str], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ the lease
 
@@ -177,10 +181,11 @@ class Fence:
                   self.agent.node_id, why)
         orch = self.agent.orch
         for sid in orch.running_ids():
-            try:
-                await self.agent.c.proxy.close_sandbox_connections(sid)
-            except Exception:  # noqa: BLE001 - the pause closes them too
-                log.exception("closing the connections of %s", sid)
+            for hook in (self.agent.c.proxy.close_sandbox_connections, *self.on_fenced):
+                try:
+                    await hook(sid)
+                except Exception:  # noqa: BLE001 - the pause closes them too
+                    log.exception("closing the connections of %s", sid)
         self._holding = asyncio.create_task(self._hold(), name="fenced")
 
     async def _hold(self) -> None:

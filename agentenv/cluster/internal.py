@@ -38,12 +38,13 @@ def require_token(token: str | None):
     return check
 
 
-def cluster_auth(settings):
+def cluster_auth(settings, is_sandbox_traffic=None):
     """The check of an internal listener: the client certificate with cluster TLS (every route but
-    /health), else the shared token (the /internal/ routes)."""
+    /health, sandbox traffic included), else the shared token (the /internal/ routes)."""
     from agentenv.cluster import tls
 
-    return tls.require_peer() if tls.enabled(settings) else require_token(settings.cluster_token)
+    return (tls.require_peer(is_sandbox_traffic) if tls.enabled(settings)
+            else require_token(settings.cluster_token))
 
 
 def error_response(e: AgentEnvError) -> web.Response:

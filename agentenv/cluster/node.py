@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -238,7 +239,7 @@ class NodeAgent:
         return web.json_response(codec.encode(self.status()))
 
     def add_routes(self, app: web.Application) -> None:
-        app.middlewares.insert(0, cluster_auth(self.settings))
+        app.middlewares.insert(0, cluster_auth(self.settings, self.c.proxy.matches))
         app.middlewares.insert(0, self.fence.middleware())
         app.router.add_post("/internal/rpc/{method}", self.rpc)
         app.router.add_post("/internal/drain", self.drain)
@@ -247,6 +248,51 @@ class NodeAgent:
             from agentenv.cluster.view import node_events_route
 
             app.router.add_get("/internal/events", node_events_route(self.c.observability))
+
+
+def _data_plane_listener(settings: Settings, c, agent: NodeAgent, reloader):
+    """The node's listener through HAProxy (`data_plane`, as `serve`: docs/proxy.md), or None for
+    the Python server's own. With cluster TLS, HAProxy speaks the same mutual TLS (the node's
+    certificate, the cluster CA); only gateway, scheduler and admin certificates reach sandboxes on
+    its fast path, and a fenced node routes nothing there."""
+    from agentenv.cluster import tls
+    from agentenv.proxy import dataplane
+    from agentenv.proxy.haproxy_conf import ClusterListener
+    from agentenv.server import StartupError, _plan_data_plane, _start_haproxy
+
+    if settings.https_bind:
+        raise StartupError("https_bind is for `agentenv serve`; a node's listener is its cluster listener "
+                           "(put TLS for clients on the gateways' load balancer)")
+    chosen = _plan_data_plane(settings)
+    log.info("data plane: %s", chosen.reason)
+    if chosen.haproxy is None:
+        return None
+    cluster = None
+    if tls.enabled(settings):
+        pem = tls.write_pem(settings, dataplane.layout(settings).dir / "cluster.pem")
+        cluster = ClusterListener(pem, Path(settings.cluster_ca_file), tuple(sorted(tls.OTHER_ROLES)))
+    source = dataplane.NodeRoutes(c.orchestrator, lambda: agent.fence.fenced)
+
+    async def listen(runner):
+        site, dp = await _start_haproxy(settings, chosen, c, runner, source=source, cluster=cluster)
+
+        async def cut(sandbox_id: str) -> None:  # fenced: off the fast path, HAProxy's connections reset
+            await dp.leave_fast_path(sandbox_id)
+            slot = c.orchestrator.host.slots.get(sandbox_id)
+            if slot is not None:
+                await dp.reset_connections(slot.host_ip)
+
+        agent.fence.on_fenced.append(cut)
+        if reloader is not None and cluster is not None:
+            async def new_certificate() -> None:
+                tls.write_pem(settings, cluster.pem)
+                await dp.install_certificate(cluster.pem)
+                log.info("cluster certificate reloaded into haproxy")
+
+            reloader.on_reload.append(new_certificate)
+        return site, dp.stop
+
+    return listen
 
 
 def configure_role_logging(settings: Settings) -> None:
@@ -304,8 +350,9 @@ async def run_node(settings: Settings, *, progress=None) -> None:
                 reloader.start()
             print(f"agentenv node {settings.node_id} is serving at {agent.url}", flush=True)
 
+        listen = _data_plane_listener(settings, c, agent, reloader)
         await run_app(app, settings.host, settings.port, on_started=on_started, ssl_context=server_ctx,
-                      **LISTENER_OPTIONS)
+                      listen=listen, **LISTENER_OPTIONS)
     finally:
         log.info("node %s shutting down", settings.node_id)
         if reloader is not None:

@@ -26,11 +26,13 @@ import datetime as dt
 import logging
 import os
 import ssl
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
 
 from agentenv import pki
+from agentenv.proxy.haproxy_conf import PEER_HEADER
 
 log = logging.getLogger("agentenv.cluster.tls")
 
@@ -130,6 +132,7 @@ class Reloader:
     def __init__(self, settings, *contexts: ssl.SSLContext, interval_s: float = 30.0) -> None:
         self.settings = settings
         self.contexts = contexts
+        self.on_reload: list[Callable[[], Awaitable[None]]] = []  # e.g. the node's HAProxy listener
         self.interval_s = interval_s
         self._stamp = self._mtime()
         self._task: asyncio.Task | None = None
@@ -157,7 +160,12 @@ class Reloader:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            self.check()
+            if self.check():
+                for hook in self.on_reload:
+                    try:
+                        await hook()
+                    except Exception:  # noqa: BLE001 - the next change tries again
+                        log.exception("cluster certificate reload hook failed")
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="cert-reload")
@@ -168,11 +176,31 @@ class Reloader:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
+def write_pem(settings, path: Path) -> Path:
+    """The role's certificate and key in one file (0600), as HAProxy reads them."""
+    data = Path(settings.cluster_cert_file).read_bytes().rstrip(b"\n") + b"\n" + \
+        Path(settings.cluster_key_file).read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    tmp.replace(path)
+    return path
+
+
 # ---------------------------------------------------------------------- who is calling
 
 def peer(request: web.Request) -> tuple[str, str] | None:
-    """(role, name) of the verified client certificate of `request`, or None."""
+    """(role, name) of the verified client certificate of `request`, or None.
+
+    Behind a node's HAProxy (the request came over the root-only unix socket only HAProxy connects
+    to) HAProxy verified the certificate and says whose it was in `PEER_HEADER`, which it removes
+    from every request it receives."""
     transport = request.transport
+    if transport is not None and isinstance(transport.get_extra_info("sockname"), str):
+        role, _, name = request.headers.get(PEER_HEADER, "").partition("/")
+        return (role, name) if role in ROLES and name else None
     cert = transport.get_extra_info("peercert") if transport is not None else None
     if not cert:
         return None
@@ -190,12 +218,13 @@ def allowed_roles(path: str) -> set[str]:
     return OTHER_ROLES
 
 
-def require_peer():
-    """Middleware for the HTTPS listeners of nodes and schedulers."""
+def require_peer(is_sandbox_traffic: Callable[[web.Request], bool] | None = None):
+    """Middleware for the HTTPS listeners of nodes and schedulers. `/health` is open (supervisors'
+    probes), but not a sandbox's own `/health` (`is_sandbox_traffic`: a node's traffic proxy)."""
 
     @web.middleware
     async def check_peer(request: web.Request, handler):
-        if request.path == "/health":
+        if request.path == "/health" and not (is_sandbox_traffic is not None and is_sandbox_traffic(request)):
             return await handler(request)
         who = peer(request)
         if who is None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from agentenv.config import Settings
 from agentenv.proxy.haproxy import DataPlane, HaproxyLayout, haproxy_binary, sock_dir_for
-from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS
+from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, ClusterListener
 from agentenv.proxy.tls import TlsFiles, prepare
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,30 @@ class OrchestratorRoutes:
         return SimpleNamespace(host_ip=slot.host_ip, traffic_access_token=rec.traffic_access_token)
 
 
-def make(settings: Settings, chosen: Plan, orch: Any) -> DataPlane:
+class NodeRoutes(OrchestratorRoutes):
+    """The routes of a cluster node: none while it is fenced (cut off from the cluster), so every
+    request for its sandboxes reaches the Python server, which answers 503 `node_fenced`."""
+
+    def __init__(self, orch: Any, fenced: Callable[[], bool]) -> None:
+        super().__init__(orch)
+        self._fenced = fenced
+
+    def running_routes(self) -> Any:
+        return [] if self._fenced() else super().running_routes()
+
+    def route_for(self, sandbox_id: str) -> Any | None:
+        return None if self._fenced() else super().route_for(sandbox_id)
+
+
+def make(settings: Settings, chosen: Plan, orch: Any, *, source: Any = None,
+         cluster: ClusterListener | None = None) -> DataPlane:
+    """`source`: where routes come from (default: the orchestrator's running sandboxes);
+    `cluster`: a cluster node's mutual-TLS listener on host:port."""
     assert chosen.haproxy is not None
     http_bind = f"{settings.host}:{settings.port}" if ":" not in settings.host else f"[{settings.host}]:{settings.port}"
-    return DataPlane(chosen.haproxy, layout(settings), OrchestratorRoutes(orch), http_bind=http_bind,
+    return DataPlane(chosen.haproxy, layout(settings), source or OrchestratorRoutes(orch), http_bind=http_bind,
                      https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None,
-                     threads=settings.haproxy_threads)
+                     threads=settings.haproxy_threads, cluster=cluster)
 
 
 def attach(dp: DataPlane, orch: Any) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from agentenv.errors import RuntimeFailure
 from agentenv.network import sockdiag
 from agentenv.proc import CommandError, run_cmd, run_streamed
-from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, HaproxyLayout, render
+from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, ClusterListener, HaproxyLayout, render
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,8 @@ class DataPlane:
     """The supervised HAProxy process and its live routes."""
 
     def __init__(self, binary: str, layout: HaproxyLayout, source: RouteSource, *, http_bind: str | None,
-                 https_bind: str | None = None, cert: Path | None = None, threads: int | None = None) -> None:
+                 https_bind: str | None = None, cert: Path | None = None, threads: int | None = None,
+                 cluster: ClusterListener | None = None) -> None:
         self.binary = binary
         self.layout = layout
         self.api = RuntimeApi(layout.admin_socket)
@@ -249,6 +250,7 @@ class DataPlane:
         self._http_bind = http_bind
         self._https_bind = https_bind
         self._cert = cert
+        self._cluster = cluster
         self._threads = threads or max(1, min((os.cpu_count() or 1) // 2, 4))
         self._supervisor: asyncio.Task[None] | None = None
         self._sync: asyncio.Task[None] | None = None
@@ -280,7 +282,7 @@ class DataPlane:
         self.layout.sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         await self.stop_leftover()
         self.layout.config.write_text(render(self.layout, http_bind=self._http_bind, https_bind=self._https_bind,
-                                             cert=self._cert, threads=self._threads))
+                                             cert=self._cert, threads=self._threads, cluster=self._cluster))
         self.routes.write_files()
         res = await run_cmd([self.binary, "-c", "-f", self.layout.config], timeout=30, check=False)
         if res.returncode != 0:
@@ -384,13 +386,15 @@ class DataPlane:
                     "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "bin", "bout")}
         return stats
 
-    async def install_certificate(self) -> None:
-        """Hand HAProxy the certificate file's current content without a reload (`set ssl cert` +
-        `commit ssl cert` on its runtime API): new TLS handshakes use it, open connections go on."""
-        if self._cert is None or self.pid() is None:
+    async def install_certificate(self, pem: Path | None = None) -> None:
+        """Hand HAProxy a certificate file's current content without a reload (`set ssl cert` +
+        `commit ssl cert` on its runtime API): new TLS handshakes use it, open connections go on.
+        `pem`: the HTTPS listener's (default) or the cluster listener's file."""
+        pem = pem or self._cert
+        if pem is None or self.pid() is None:
             return  # no HTTPS, or HAProxy is restarting and reads the file itself
-        name = str(self._cert)
-        payload = self._cert.read_text().strip("\n")
+        name = str(pem)
+        payload = pem.read_text().strip("\n")
         out = "".join(await self.api.send(f"set ssl cert {name} <<\n{payload}\n\n"))
         if "Transaction" not in out:
             raise RuntimeFailure(f"haproxy refused the new certificate: {out.strip()[:300]}")
@@ -401,6 +405,8 @@ class DataPlane:
 
     async def leave_fast_path(self, sandbox_id: str) -> None:
         """A sandbox is about to stop: its routes leave the maps (events bring them back)."""
+        if self._supervisor is None:
+            return  # stopped (a node draining after its listener closed): no fast path to leave
         try:
             await self.routes.hold(sandbox_id)
         except (OSError, asyncio.TimeoutError) as e:

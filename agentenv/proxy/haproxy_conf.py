@@ -56,11 +56,31 @@ def _error_body(message: str) -> str:
     return _q('{"sandboxId":"%[var(txn.sid)]","message":"' + message.replace('"', "'") + '","code":502}')
 
 
+@dataclass(frozen=True)
+class ClusterListener:
+    """A cluster node's listener: mutual TLS with the cluster CA instead of plain HTTP.
+
+    HAProxy verifies a client certificate when one is presented (a wrong one fails the handshake,
+    none reaches the Python server, which refuses all but /health, as the node does without HAProxy).
+    Only a certificate whose role (its subject's OU) is in `roles` may use the fast path; the Python
+    server learns the verified role and name from `PEER_HEADER`, which HAProxy alone sets."""
+
+    pem: Path                 # the node's certificate and key, one file
+    ca: Path                  # the cluster CA
+    roles: tuple[str, ...]    # roles whose certificates may reach sandboxes
+
+
+PEER_HEADER = "X-Agentenv-Cluster-Peer"
+
+
 def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | None,
-           cert: Path | None, threads: int) -> str:
-    """The whole configuration. `http_bind`/`https_bind`: "addr:port" (or None for none)."""
+           cert: Path | None, threads: int, cluster: ClusterListener | None = None) -> str:
+    """The whole configuration. `http_bind`/`https_bind`: "addr:port" (or None for none);
+    `cluster`: the `http_bind` listener speaks mutual TLS (a cluster node's)."""
     binds = []
-    if http_bind:
+    if http_bind and cluster is not None:
+        binds.append(f"    bind {http_bind} ssl crt {cluster.pem} ca-file {cluster.ca} verify optional")
+    elif http_bind:
         binds.append(f"    bind {http_bind}")
     if https_bind:
         assert cert is not None
@@ -90,6 +110,8 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         "",
         "frontend agentenv",
         *binds,
+        f"    http-request del-header {PEER_HEADER}",
+        *_peer_rules(cluster),
         # -- which sandbox and port: E2b-Sandbox-Id/-Port headers, else the Host, else a /proxy/ path
         "    acl by_hdr req.hdr(e2b-sandbox-id) -m found",
         "    http-request set-var(txn.sid) req.hdr(e2b-sandbox-id) if by_hdr",
@@ -118,6 +140,7 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         "!{ req.hdr(x-forwarded-host) -m found }",
         "    option forwardfor",
         "    acl jupyter var(txn.port) -m str 49999",
+        *(["    use_backend python if !peer_ok"] if cluster is not None else []),
         "    use_backend python if private !envd !token_ok",
         "    use_backend sandbox_envd if routed port_ok port_ok_range envd",
         "    use_backend sandbox_jupyter if routed port_ok port_ok_range jupyter",
@@ -128,9 +151,23 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         *_sandbox_backend("sandbox_jupyter"),
         *_sandbox_backend("sandbox_user"),
         "backend python",
+        *([f"    http-request set-header {PEER_HEADER} %[var(txn.peer)] if {{ var(txn.peer) -m found }}"]
+          if cluster is not None else []),
         f"    server app unix@{layout.app_socket}",
         "",
     ])
+
+
+def _peer_rules(cluster: ClusterListener | None) -> list[str]:
+    """Who is calling a node: "<role>/<name>" of a verified client certificate, in `txn.peer`."""
+    if cluster is None:
+        return []
+    roles = " ".join(cluster.roles)
+    return [
+        "    http-request set-var(txn.peer_cn) ssl_c_s_dn(CN) if { ssl_c_used } { ssl_c_verify 0 }",
+        "    http-request set-var(txn.peer) ssl_c_s_dn(OU),concat(/,txn.peer_cn) if { var(txn.peer_cn) -m found }",
+        f"    acl peer_ok var(txn.peer),field(1,/) -m str {roles}",
+    ]
 
 
 # One backend per kind of port (envd, Jupyter, the user's), identical but for their statistics:

@@ -1,0 +1,70 @@
+"""A cluster node's listener is HAProxy (the data plane of `agentenv serve`, docs/proxy.md) in the
+cluster's mutual TLS: sandbox traffic from the gateway, or from an admin certificate, goes from
+HAProxy straight into the sandbox (its statistics count it), while the same request without a
+client certificate, or with a node's, never reaches the sandbox (401 / 403 from the node's server
+behind HAProxy, which learns the verified caller from HAProxy alone)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+
+import pytest
+import requests
+from e2b import Sandbox
+from test_cluster_multinode import bindings
+
+from agentenv.constants import ENVD_PORT
+from agentenv.proxy.haproxy import sock_dir_for
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+
+def envd_answers(node) -> int:
+    """2xx answers HAProxy's envd backend of `node` gave (its runtime API, `show stat`)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(sock_dir_for(node.data_dir) / "admin.sock"))
+        s.sendall(b"show stat\n")
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    lines = out.decode().splitlines()
+    cols = lines[0][2:].split(",")
+    for line in lines[1:]:
+        row = dict(zip(cols, line.split(",")))
+        if row.get("pxname") == "sandbox_envd" and row.get("svname") == "BACKEND":
+            return int(row["hrsp_2xx"] or 0)
+    raise AssertionError(f"no sandbox_envd backend in haproxy's statistics:\n{out.decode()[:2000]}")
+
+
+def test_node_listener_is_haproxy_with_mutual_tls(cluster, tmp_path):
+    if shutil.which("haproxy") is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy): nodes use the Python proxy")
+    sbx = Sandbox.create(**cluster.sdk_opts())
+    try:
+        node = cluster.nodes[bindings(cluster)[sbx.sandbox_id][0]]
+        assert "data plane: haproxy" in node.log_tail(400)
+        before = envd_answers(node)
+        for _ in range(5):  # the admin certificate, on the node's own listener
+            assert node.sandbox_status(sbx.sandbox_id) // 100 == 2
+        assert sbx.commands.run("echo through-the-gateway").stdout == "through-the-gateway\n"
+        served = envd_answers(node) - before
+        assert served >= 6, f"HAProxy answered {served} of the 5 + the command's requests"
+
+        # Callers that may not reach sandboxes on a node: refused by the server behind HAProxy
+        url = f"{node.url}/health"
+        hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(ENVD_PORT)}
+        ca = str(cluster.pki.ca)
+        r = requests.get(url, headers=hdrs, verify=ca, timeout=10)
+        assert r.status_code == 401 and "client certificate" in r.json()["message"], r.text
+        forged = {**hdrs, "X-Agentenv-Cluster-Peer": "admin/admin"}  # not a credential: HAProxy drops it
+        assert requests.get(url, headers=forged, verify=ca, timeout=10).status_code == 401
+        node_cert = tuple(map(str, cluster.pki.issue("node", "b", out=tmp_path)))
+        r = requests.get(url, headers=hdrs, cert=node_cert, verify=ca, timeout=10)
+        assert r.status_code == 403, r.text
+        assert envd_answers(node) - before == served, "a refused caller reached the sandbox"
+        # and the node's own routes still work for a permitted caller afterwards
+        assert node.sandbox_status(sbx.sandbox_id) // 100 == 2
+    finally:
+        sbx.kill()
