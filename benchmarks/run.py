@@ -195,6 +195,29 @@ def capture_times(logtxt: str) -> tuple[float, float, float] | None:
     return None
 
 
+def haproxy_user_answers(data_dir: Path) -> int | None:
+    """Answers HAProxy of the server on `data_dir` gave from sandboxes' user ports (its runtime API)."""
+    from agentenv.proxy.haproxy import sock_dir_for
+
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(str(sock_dir_for(data_dir) / "admin.sock"))
+            s.sendall(b"show stat\n")
+            out = b""
+            while chunk := s.recv(65536):
+                out += chunk
+    except OSError:
+        return None
+    lines = out.decode().splitlines()
+    cols = lines[0][2:].split(",") if lines else []
+    for line in lines[1:]:
+        row = dict(zip(cols, line.split(",")))
+        if row.get("pxname") == "sandbox_user" and row.get("svname") == "BACKEND":
+            return sum(int(row.get(f"hrsp_{k}xx") or 0) for k in range(1, 6))
+    return None
+
+
 def haproxy_pids(data_dir: Path) -> list[int]:
     """The HAProxy process serving the server on `data_dir` (none: the Python proxy serves)."""
     config = os.fsencode(data_dir / "haproxy" / "haproxy.cfg")
@@ -1630,13 +1653,18 @@ def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError("the benchmark app in the sandbox did not answer")
             time.sleep(0.2)
-        node_log = (BENCH_DIR.parent / (BENCH_DIR.name + "-cluster-node") / "node.log").read_text(errors="replace")
+        node_dir = BENCH_DIR.parent / (BENCH_DIR.name + "-cluster-node")
+        node_log = (node_dir / "node.log").read_text(errors="replace")
         out: dict = {"node_data_plane": "haproxy" if "data plane: haproxy" in node_log else "python", "runs": {}}
+        served0 = haproxy_user_answers(node_dir)
         seconds = 2 if quick else 4
+        # a fresh in-sandbox server answers at a third of its speed for its first seconds (gVisor
+        # warming up); the rounds below start after that
+        wrk(f"{urls['node']}/", connections=32, seconds=5, headers=route)
         for conns in (1, 32):
             rounds: dict[str, list[dict]] = {"node": [], "gateway": []}
-            for name in rounds:
-                wrk(f"{urls[name]}/", connections=conns, seconds=1, headers=route)  # warm-up
+            for name in rounds:  # warm-up (connection pools)
+                wrk(f"{urls[name]}/", connections=conns, seconds=1, headers=route)
             for _ in range(3):
                 for name in rounds:
                     rounds[name].append(wrk(f"{urls[name]}/", connections=conns, seconds=seconds, headers=route))
@@ -1646,6 +1674,9 @@ def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
                 out["runs"].setdefault(str(conns), {})[name] = r
                 log(f"cluster traffic: {name:7s} c={conns:2d}: {r['rps']:.0f} req/s, p50 {r['p50'] * 1000:.2f} ms, "
                     f"non-2xx {r['non_2xx']}, socket errors {r['socket_errors']}")
+        # whether the node's HAProxy served the requests itself (its user-port backend's answers)
+        out["haproxy_answers"] = haproxy_user_answers(node_dir) - served0 if served0 is not None else None
+        log(f"cluster traffic: the node's HAProxy answered {out['haproxy_answers']} requests itself")
         return out
     finally:
         sbx.kill()
