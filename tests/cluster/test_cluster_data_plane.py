@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
+import time
 
 import pytest
 import requests
@@ -68,3 +70,30 @@ def test_node_listener_is_haproxy_with_mutual_tls(cluster, tmp_path):
         assert node.sandbox_status(sbx.sandbox_id) // 100 == 2
     finally:
         sbx.kill()
+
+
+def served_certificate(node) -> bytes:
+    """The certificate a node's listener presents (DER)."""
+    ctx = ssl.create_default_context(cafile=str(node.pki.ca))
+    with socket.create_connection((node.address, int(node.url.rsplit(":", 1)[1])), timeout=10) as raw:
+        with ctx.wrap_socket(raw, server_hostname=node.address) as s:
+            return s.getpeercert(binary_form=True)
+
+
+def test_a_renewed_node_certificate_is_served_without_a_restart(cluster):
+    """Node certificates are short-lived: a renewal (new files) reaches HAProxy's listener within a
+    reload round (30 s), with no restart, and the renewed node keeps serving the gateway."""
+    if shutil.which("haproxy") is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy): nodes use the Python proxy")
+    node = cluster.nodes["a"]
+    before = served_certificate(node)
+    pid = node.proc.pid
+    cluster.pki.issue("node", "a", (node.address,))  # the files node a reads
+    deadline = time.monotonic() + 75
+    while served_certificate(node) == before:
+        assert time.monotonic() < deadline, f"node a still serves its old certificate:\n{node.log_tail(40)}"
+        time.sleep(2)
+    assert node.proc.pid == pid and node.proc.poll() is None
+    assert "cluster certificate reloaded into haproxy" in node.log_tail(400)
+    r = cluster.pki.request("GET", f"{node.url}/internal/status", timeout=10)
+    assert r.status_code == 200 and r.json()["node_id"] == "a"
