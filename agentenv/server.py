@@ -139,7 +139,7 @@ def _print_banner(settings: Settings, api_key: str | None, ca: Path | None = Non
     print("\n".join(lines), flush=True)
 
 
-def _plan_data_plane(settings: Settings):
+def plan_data_plane(settings: Settings):
     from agentenv.proxy import dataplane
 
     try:
@@ -148,7 +148,7 @@ def _plan_data_plane(settings: Settings):
         raise StartupError(str(e)) from None
 
 
-async def _start_haproxy(settings: Settings, chosen, c: Components, runner: web.AppRunner, *,
+async def start_haproxy(settings: Settings, chosen, c: Components, runner: web.AppRunner, *,
                          source=None, cluster=None):
     """HAProxy owns the public listeners; the Python server answers it on a unix socket.
     `source`, `cluster`: a cluster node's routes and listener (`dataplane.make`)."""
@@ -271,7 +271,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
         await stop.unless_stopped(c.images.ensure_base(progress))
         await stop.unless_stopped(c.images.ensure_tools(progress))
         api_key = await _bootstrap_key(c, settings)
-        chosen = _plan_data_plane(settings)
+        chosen = plan_data_plane(settings)
         await c.orchestrator.start()
         started = True
         store_gc = _store_collector(c)
@@ -282,7 +282,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
         runner = web.AppRunner(make_app(c), access_log=None, handle_signals=False, **LISTENER_OPTIONS)
         await runner.setup()
         if chosen.haproxy is not None:
-            site, data_plane = await _start_haproxy(settings, chosen, c, runner)
+            site, data_plane = await start_haproxy(settings, chosen, c, runner)
         else:
             site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
             try:

@@ -258,12 +258,12 @@ def _data_plane_listener(settings: Settings, c, agent: NodeAgent, reloader):
     from agentenv.cluster import tls
     from agentenv.proxy import dataplane
     from agentenv.proxy.haproxy_conf import ClusterListener
-    from agentenv.server import StartupError, _plan_data_plane, _start_haproxy
+    from agentenv.server import StartupError, plan_data_plane, start_haproxy
 
     if settings.https_bind:
         raise StartupError("https_bind is for `agentenv serve`; a node's listener is its cluster listener "
                            "(put TLS for clients on the gateways' load balancer)")
-    chosen = _plan_data_plane(settings)
+    chosen = plan_data_plane(settings)
     log.info("data plane: %s", chosen.reason)
     if chosen.haproxy is None:
         return None
@@ -274,7 +274,7 @@ def _data_plane_listener(settings: Settings, c, agent: NodeAgent, reloader):
     source = dataplane.NodeRoutes(c.orchestrator, lambda: agent.fence.fenced)
 
     async def listen(runner):
-        site, dp = await _start_haproxy(settings, chosen, c, runner, source=source, cluster=cluster)
+        site, dp = await start_haproxy(settings, chosen, c, runner, source=source, cluster=cluster)
 
         async def cut(sandbox_id: str) -> None:  # fenced: off the fast path, HAProxy's connections reset
             await dp.leave_fast_path(sandbox_id)
