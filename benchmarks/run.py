@@ -197,25 +197,14 @@ def capture_times(logtxt: str) -> tuple[float, float, float] | None:
 
 def haproxy_user_answers(data_dir: Path) -> int | None:
     """Answers HAProxy of the server on `data_dir` gave from sandboxes' user ports (its runtime API)."""
-    from agentenv.proxy.haproxy import sock_dir_for
+    from agentenv.proxy.haproxy import RuntimeApi, backend_stats, sock_dir_for
 
     try:
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(10)
-            s.connect(str(sock_dir_for(data_dir) / "admin.sock"))
-            s.sendall(b"show stat\n")
-            out = b""
-            while chunk := s.recv(65536):
-                out += chunk
+        stats = asyncio.run(backend_stats(RuntimeApi(sock_dir_for(data_dir) / "admin.sock")))
     except OSError:
         return None
-    lines = out.decode().splitlines()
-    cols = lines[0][2:].split(",") if lines else []
-    for line in lines[1:]:
-        row = dict(zip(cols, line.split(",")))
-        if row.get("pxname") == "sandbox_user" and row.get("svname") == "BACKEND":
-            return sum(int(row.get(f"hrsp_{k}xx") or 0) for k in range(1, 6))
-    return None
+    user = stats.get("sandbox_user")
+    return sum(user[f"hrsp_{k}xx"] for k in range(1, 6)) if user else None
 
 
 def haproxy_pids(data_dir: Path) -> list[int]:
@@ -1486,11 +1475,14 @@ def report(res: dict) -> str:
         tr = cl.get("traffic")
         if tr:
             L += [f"Sandbox traffic on the node (`wrk`, 23-byte answers; node data plane: {tr['node_data_plane']}):", "",
-                  "| connections | path | requests/s | p50 |", "|---|---|---|---|"]
+                  "| connections | path | requests/s | p50 | vs direct |", "|---|---|---|---|---|"]
             for conns, runs in tr["runs"].items():
-                for name, label in (("node", "the node's listener"), ("gateway", "through the gateway")):
-                    r = runs[name]
-                    L.append(f"| {conns} | {label} | {r['rps']:,.0f} | {r['p50'] * 1000:.2f} ms |")
+                for name, label in (("direct", "directly to the sandbox (raw)"), ("node", "the node's listener"),
+                                    ("gateway", "through the gateway")):
+                    r = runs.get(name)
+                    if r:
+                        ratio = f"{r['rps'] / runs['direct']['rps']:.2f}x" if runs.get("direct") else "–"
+                        L.append(f"| {conns} | {label} | {r['rps']:,.0f} | {r['p50'] * 1000:.2f} ms | {ratio} |")
             L.append("")
     if res.get("errors"):
         L += ["### Errors", ""] + [f"- {k}: `{v.strip().splitlines()[-1]}`" for k, v in res["errors"].items()] + [""]
@@ -1657,12 +1649,16 @@ def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
         node_log = (node_dir / "node.log").read_text(errors="replace")
         out: dict = {"node_data_plane": "haproxy" if "data plane: haproxy" in node_log else "python", "runs": {}}
         served0 = haproxy_user_answers(node_dir)
+        # the raw step: the same server at the sandbox's slot address (the node's netns for it, host0)
+        ns = [n for n in sh(["ip", "netns", "list"]).stdout.split() if n.endswith(f"-{sbx.sandbox_id}")]
+        addr = sh(["ip", "-n", ns[0], "-4", "-o", "addr", "show", "host0"]).stdout.split("inet ")[1].split("/")[0]
+        urls = {**urls, "direct": f"http://{addr}:{PROXY_APP_PORT}"}
         seconds = 2 if quick else 4
         # a fresh in-sandbox server answers at a third of its speed for its first seconds (gVisor
         # warming up); the rounds below start after that
         wrk(f"{urls['node']}/", connections=32, seconds=5, headers=route)
         for conns in (1, 32):
-            rounds: dict[str, list[dict]] = {"node": [], "gateway": []}
+            rounds: dict[str, list[dict]] = {"direct": [], "node": [], "gateway": []}
             for name in rounds:  # warm-up (connection pools)
                 wrk(f"{urls[name]}/", connections=conns, seconds=1, headers=route)
             for _ in range(3):

@@ -278,9 +278,7 @@ def _data_plane_listener(settings: Settings, c, agent: NodeAgent, reloader):
 
         async def cut(sandbox_id: str) -> None:  # fenced: off the fast path, HAProxy's connections reset
             await dp.leave_fast_path(sandbox_id)
-            slot = c.orchestrator.host.slots.get(sandbox_id)
-            if slot is not None:
-                await dp.reset_connections(slot.host_ip)
+            await dataplane.reset_sandbox_connections(dp, c.orchestrator, sandbox_id)
 
         agent.fence.on_fenced.append(cut)
         if reloader is not None and cluster is not None:

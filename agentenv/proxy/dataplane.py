@@ -121,15 +121,20 @@ def attach(dp: DataPlane, orch: Any) -> None:
         await dp.leave_fast_path(sandbox_id)
 
     async def reset_connections(sandbox_id: str) -> None:
-        slot = orch.host.slots.get(sandbox_id)
-        if slot is not None:
-            await dp.reset_connections(slot.host_ip)
+        await reset_sandbox_connections(dp, orch, sandbox_id)
 
     orch.events.subscribe(on_event)
     # First HAProxy stops sending new requests (they reach the Python proxy, which waits), then the
     # Python proxy closes its connections, then HAProxy's are reset.
     orch.on_before_stop.insert(0, leave_fast_path)
     orch.on_before_stop.append(reset_connections)
+
+
+async def reset_sandbox_connections(dp: DataPlane, orch: Any, sandbox_id: str) -> None:
+    """Reset HAProxy's connections into one sandbox (its slot address), if it has a slot."""
+    slot = orch.host.slots.get(sandbox_id)
+    if slot is not None:
+        await dp.reset_connections(slot.host_ip)
 
 
 def app_socket(settings: Settings) -> Path:

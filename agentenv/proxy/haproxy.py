@@ -230,6 +230,22 @@ class RouteTable:
                 await asyncio.sleep(0.2)
 
 
+async def backend_stats(api: RuntimeApi) -> dict[str, dict[str, int]]:
+    """Counters of the sandbox backends (`show stat`): responses by class, bytes in and out."""
+    out = await api.run(["show stat"])
+    lines = "\n".join(out).splitlines()
+    if not lines or not lines[0].startswith("# "):
+        return {}
+    cols = lines[0][2:].split(",")
+    stats: dict[str, dict[str, int]] = {}
+    for line in lines[1:]:
+        row = dict(zip(cols, line.split(",")))
+        if row.get("svname") == "BACKEND" and row.get("pxname") in SANDBOX_BACKENDS:
+            stats[row["pxname"]] = {k: int(row.get(k) or 0) for k in (
+                "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "bin", "bout")}
+    return stats
+
+
 def _write_map(path: Path, entries: dict[str, str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{k} {v}\n" for k, v in entries.items()))
@@ -372,19 +388,8 @@ class DataPlane:
         shutil.rmtree(self.layout.sock_dir, ignore_errors=True)
 
     async def backend_stats(self) -> dict[str, dict[str, int]]:
-        """Counters of the sandbox backends (`show stat`): responses by class, bytes in and out."""
-        out = await self.api.run(["show stat"])
-        lines = "\n".join(out).splitlines()
-        if not lines or not lines[0].startswith("# "):
-            return {}
-        cols = lines[0][2:].split(",")
-        stats: dict[str, dict[str, int]] = {}
-        for line in lines[1:]:
-            row = dict(zip(cols, line.split(",")))
-            if row.get("svname") == "BACKEND" and row.get("pxname") in SANDBOX_BACKENDS:
-                stats[row["pxname"]] = {k: int(row.get(k) or 0) for k in (
-                    "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "bin", "bout")}
-        return stats
+        """Counters of the sandbox backends (`backend_stats`)."""
+        return await backend_stats(self.api)
 
     async def install_certificate(self, pem: Path | None = None) -> None:
         """Hand HAProxy a certificate file's current content without a reload (`set ssl cert` +

@@ -6,6 +6,7 @@ behind HAProxy, which learns the verified caller from HAProxy alone)."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import ssl
@@ -17,27 +18,16 @@ from e2b import Sandbox
 from test_cluster_multinode import bindings
 
 from agentenv.constants import ENVD_PORT
-from agentenv.proxy.haproxy import sock_dir_for
+from agentenv.proxy.haproxy import RuntimeApi, backend_stats, sock_dir_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 
 def envd_answers(node) -> int:
     """2xx answers HAProxy's envd backend of `node` gave (its runtime API, `show stat`)."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(10)
-        s.connect(str(sock_dir_for(node.data_dir) / "admin.sock"))
-        s.sendall(b"show stat\n")
-        out = b""
-        while chunk := s.recv(65536):
-            out += chunk
-    lines = out.decode().splitlines()
-    cols = lines[0][2:].split(",")
-    for line in lines[1:]:
-        row = dict(zip(cols, line.split(",")))
-        if row.get("pxname") == "sandbox_envd" and row.get("svname") == "BACKEND":
-            return int(row["hrsp_2xx"] or 0)
-    raise AssertionError(f"no sandbox_envd backend in haproxy's statistics:\n{out.decode()[:2000]}")
+    stats = asyncio.run(backend_stats(RuntimeApi(sock_dir_for(node.data_dir) / "admin.sock")))
+    assert "sandbox_envd" in stats, f"no sandbox_envd backend in haproxy's statistics: {stats}"
+    return stats["sandbox_envd"]["hrsp_2xx"]
 
 
 def test_node_listener_is_haproxy_with_mutual_tls(cluster, tmp_path):
