@@ -148,6 +148,23 @@ class Node:
     def log_tail(self, n: int = 60) -> str:
         return log_tail(self.log_path, n)
 
+    def log_size(self) -> int:
+        """Where the log ends now: `wait_log` from here sees only what comes after."""
+        return self.log_path.stat().st_size if self.log_path.exists() else 0
+
+    def wait_log(self, text: str, since: int, timeout: float = 120) -> str:
+        """The log written after offset `since` (the log file spans every start of this node), once
+        it contains `text`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                new = f.read().decode(errors="replace")
+            if text in new:
+                return new
+            assert time.monotonic() < deadline, f"node {self.name} never logged {text!r}:\n{self.log_tail(80)}"
+            time.sleep(0.5)
+
 
 @dataclass
 class Proc:
