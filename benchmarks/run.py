@@ -130,6 +130,25 @@ http {{
 """
 
 
+# The same HAProxy binary as a bare reverse proxy to one fixed server (no routing, no header rules):
+# what HAProxy itself costs, apart from agentenv's configuration of it.
+BARE_HAPROXY_CONF = """
+global
+    nbthread 1
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 1m
+    timeout server 1m
+frontend bare
+    bind 127.0.0.1:{port}
+    default_backend sandbox
+backend sandbox
+    http-reuse always
+    server app {upstream}
+"""
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU the processes have used so far (all their threads)."""
     total = 0
@@ -994,7 +1013,7 @@ class Bench:
             raise RuntimeError("the proxy benchmark needs wrk and nginx: apt-get install wrk nginx-light")
         seconds = 5 if self.quick else 10
         sbx = self.create()
-        nginx = None
+        nginx = bare = None
         ngx_dir = BENCH_DIR / "nginx"
         try:
             sbx.files.write("/tmp/bench_app.py", PROXY_APP)
@@ -1033,14 +1052,33 @@ class Bench:
                 if nginx.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"nginx did not start: {nginx.stderr.read().decode()[-500:] if nginx.stderr else ''}")
                 time.sleep(0.1)
+            haproxy = haproxy_pids(self.srv.data_dir)
+            if haproxy:
+                bare_port = free_port()
+                (ngx_dir / "bare-haproxy.cfg").write_text(BARE_HAPROXY_CONF.format(upstream=upstream, port=bare_port))
+                bare = subprocess.Popen(["haproxy", "-db", "-f", str(ngx_dir / "bare-haproxy.cfg")],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, start_new_session=True)
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        if requests.get(f"http://127.0.0.1:{bare_port}/", timeout=5).status_code == 200:
+                            break
+                    except requests.RequestException:
+                        pass
+                    if bare.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the bare HAProxy did not start: "
+                                           f"{bare.stderr.read().decode()[-500:] if bare.stderr else ''}")
+                    time.sleep(0.1)
             # CPU the proxy itself burns per request: unlike requests/s, it does not depend on how
             # much of the shared machine the proxy got during the run.
-            haproxy = haproxy_pids(self.srv.data_dir)
             targets = [("direct", f"http://{upstream}/", {}, []),
                        # the data plane's own CPU: HAProxy's, or the server's when it is the proxy
                        # (the server's background work is not per request)
                        ("agentenv", f"{self.srv.url}/", route, haproxy or [self.srv.proc.pid]),
                        ("nginx", f"http://127.0.0.1:{ngx_port}/", route, [nginx.pid] + child_pids(nginx.pid))]
+            if bare is not None:
+                targets.append(("haproxy-bare", f"http://127.0.0.1:{bare_port}/", route, [bare.pid]))
             out: dict = {"upstream": "python asyncio keep-alive server in the sandbox", "runs": {},
                          "data_plane": "haproxy" if haproxy else "python", "rounds": 3}
             # The three targets take turns, three rounds each, and each figure is the median of its
@@ -1073,13 +1111,15 @@ class Bench:
                 log(f"proxy: routes: {out['routes']}")
             self.results["proxy"] = out
         finally:
-            if nginx is not None:
-                nginx.terminate()
+            for proc in (nginx, bare):
+                if proc is None:
+                    continue
+                proc.terminate()
                 try:
-                    nginx.wait(timeout=10)
+                    proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    nginx.kill()
-                    nginx.wait(timeout=10)
+                    proc.kill()
+                    proc.wait(timeout=10)
             shutil.rmtree(ngx_dir, ignore_errors=True)
             _kill(sbx)
 
@@ -1439,7 +1479,8 @@ def report(res: dict) -> str:
               "|---|---|---|---|---|---|---|"]
         plane = "HAProxy data plane" if px.get("data_plane") == "haproxy" else "Python proxy"
         labels = {"direct": "direct to the sandbox (slot address)", "agentenv": f"**agentenv** ({plane}, header routing)",
-                  "nginx": "nginx reverse proxy (1 worker, upstream keep-alive)"}
+                  "nginx": "nginx reverse proxy (1 worker, upstream keep-alive)",
+                  "haproxy-bare": "bare HAProxy (same binary, one fixed server, no rules)"}
         for conns, runs in px["runs"].items():
             for name, r in runs.items():
                 cpu = r.get("proxy_cpu_ms_per_request")
@@ -1452,6 +1493,13 @@ def report(res: dict) -> str:
             if d and a and n:
                 L.append(f"- {conns} connection(s): agentenv = {a['rps'] / d['rps']:.2f}x direct, "
                          f"{a['rps'] / n['rps']:.2f}x nginx; p50 direct + {(a['p50'] - d['p50']) * 1000:.2f} ms")
+            b = runs.get("haproxy-bare")
+            if a and b and n and a.get("proxy_cpu_ms_per_request") and b.get("proxy_cpu_ms_per_request") \
+                    and n.get("proxy_cpu_ms_per_request"):
+                L.append(f"  - proxy CPU per request: agentenv {a['proxy_cpu_ms_per_request'] * 1000:.0f} µs, "
+                         f"bare HAProxy {b['proxy_cpu_ms_per_request'] * 1000:.0f} µs, "
+                         f"nginx {n['proxy_cpu_ms_per_request'] * 1000:.0f} µs; bare HAProxy = "
+                         f"{b['rps'] / d['rps']:.2f}x direct, {b['rps'] / n['rps']:.2f}x nginx")
         rt = px.get("routes")
         if rt:
             su = rt["single_update"]
