@@ -47,7 +47,8 @@ class Settings(BaseSettings):
     # HAProxy's threads; None: half the CPUs, 1 to 4 (the sandboxes need the rest: on 2 cores two
     # threads served 14-34 % fewer requests/s at 32 connections than one, docs/benchmarks.md).
     haproxy_threads: int | None = Field(default=None, ge=1, le=64)
-    # HTTPS listener ("addr:port", e.g. "0.0.0.0:443"; needs the haproxy data plane and `domain`).
+    # HTTPS listener ("addr:port", e.g. "0.0.0.0:443"; needs `domain`, and for `serve` the haproxy data
+    # plane; a cluster gateway serves it itself: docs/cluster.md, "HTTPS for clients").
     # Certificate: tls_cert + tls_key (a wildcard for *.<domain> and <domain>), else a local CA that
     # agentenv creates under <data_dir>/tls (its ca.pem printed at start, for clients to trust).
     https_bind: str | None = None

@@ -294,7 +294,7 @@ async def serve(settings: Settings, *, progress=None) -> None:
         if data_plane is not None and chosen.tls is not None:
             from agentenv.proxy.dataplane import CertificateWatch
 
-            cert_watch = CertificateWatch(settings, data_plane, chosen.tls.pem)
+            cert_watch = CertificateWatch(settings, data_plane.install_certificate, chosen.tls.pem)
             cert_watch.start()
             on_signals((signal.SIGHUP,), cert_watch.poke, ": reloading the TLS certificate")
         log.info("data plane: %s", chosen.reason)

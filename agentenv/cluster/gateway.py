@@ -473,14 +473,18 @@ async def run_gateway(settings: Settings) -> None:
         from agentenv.console import mount_console
 
         mount_console(app)
+    from agentenv.cluster import gateway_https
+
     try:
+        listen, local_ca = gateway_https.listener(settings)  # HTTPS for E2B_DOMAIN, when configured
+
         async def on_started() -> None:
             tailer.start()
             if reloader is not None:
                 reloader.start()
-            _print_banner(settings, api_key)
+            _print_banner(settings, api_key, local_ca)
 
-        await run_app(app, settings.host, settings.port, on_started=on_started, **LISTENER_OPTIONS)
+        await run_app(app, settings.host, settings.port, on_started=on_started, listen=listen, **LISTENER_OPTIONS)
     finally:
         if reloader is not None:
             await reloader.stop()

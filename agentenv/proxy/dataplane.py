@@ -182,15 +182,18 @@ async def stop_leftover(settings: Settings) -> list[str]:
 
 
 class CertificateWatch:
-    """Keeps HAProxy's certificate current while the server runs: `tls.prepare` again every
-    `interval` seconds and on `poke()` (SIGHUP), and a PEM that changed goes to HAProxy without a
-    reload (an operator's renewed certificate, e.g. certbot's; the local CA's leaf near expiry).
+    """Keeps the served certificate current while the server runs: `tls.prepare` again every
+    `interval` seconds and on `poke()` (SIGHUP), and a PEM that changed is handed to `install`
+    (HAProxy's runtime API for `serve`, the TLS context for a cluster gateway), without a reload or a
+    restart: an operator's renewed certificate (e.g. certbot's), the local CA's leaf near expiry.
     A pair that does not match (a renewal caught half-way) is logged and tried again later; the
     served certificate stays as it was."""
 
-    def __init__(self, settings: Settings, dp: DataPlane, pem: Path, interval: float = 60.0) -> None:
+    def __init__(self, settings: Settings, install: Callable[[], Awaitable[None]], pem: Path,
+                 interval: float = 60.0, served_by: str = "haproxy") -> None:
         self._settings = settings
-        self._dp = dp
+        self._install = install
+        self._served_by = served_by
         self._pem = pem
         self._interval = interval
         self._poked = asyncio.Event()
@@ -214,14 +217,14 @@ class CertificateWatch:
         try:
             await asyncio.to_thread(prepare, s.data_dir / "tls", s.domain or "", s.tls_cert, s.tls_key)
         except (OSError, ValueError) as e:
-            log.warning("TLS certificate not reloaded: %s (HAProxy keeps serving the previous one)", e)
+            log.warning("TLS certificate not reloaded: %s (%s keeps serving the previous one)", e, self._served_by)
             return False
         pem = self._pem.read_bytes()
         if pem == self._served:
             return False
-        await self._dp.install_certificate()
+        await self._install()
         self._served = pem
-        log.info("TLS certificate reloaded into haproxy (%s)", s.tls_cert or self._pem)
+        log.info("TLS certificate reloaded into %s (%s)", self._served_by, s.tls_cert or self._pem)
         return True
 
     async def _run(self) -> None:
