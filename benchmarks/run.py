@@ -1526,7 +1526,8 @@ def report(res: dict) -> str:
                   "| connections | path | requests/s | p50 | vs direct |", "|---|---|---|---|---|"]
             for conns, runs in tr["runs"].items():
                 for name, label in (("direct", "directly to the sandbox (raw)"), ("node", "the node's listener"),
-                                    ("gateway", "through the gateway")):
+                                    ("gateway", "through the gateway"),
+                                    ("gateway_https", "through the gateway's HTTPS listener")):
                     r = runs.get(name)
                     if r:
                         ratio = f"{r['rps'] / runs['direct']['rps']:.2f}x" if runs.get("direct") else "–"
@@ -1597,7 +1598,10 @@ def cluster_bench(quick: bool) -> dict:
     sys.path.insert(0, str(REPO / "tests" / "cluster"))
     from pgserver import start_postgres  # noqa: E402
     import requests
+    import urllib3
     from e2b import Sandbox
+
+    urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)  # the gateway's local CA, health only
 
     n = 8 if quick else 20
     data = BENCH_DIR.parent / (BENCH_DIR.name + "-cluster-node")
@@ -1609,14 +1613,16 @@ def cluster_bench(quick: bool) -> dict:
     key, token = "e2b_" + secrets.token_hex(20), secrets.token_hex(16)
     common = dict(os.environ, AGENTENV_DATABASE_URL=pg.url(), AGENTENV_CLUSTER_TOKEN=token,
                   AGENTENV_HOST="127.0.0.1", AGENTENV_HEARTBEAT_INTERVAL_S="1")
-    ports = {r: free_port() for r in ("node", "scheduler", "gateway")}
-    urls = {r: f"http://127.0.0.1:{p}" for r, p in ports.items()}
+    ports = {r: free_port() for r in ("node", "scheduler", "gateway", "gateway_https")}
+    urls = {r: f"http{'s' if r == 'gateway_https' else ''}://127.0.0.1:{p}" for r, p in ports.items()}
     out: dict = {"n": n}
     try:
         envs = {
             "scheduler": dict(common, AGENTENV_PORT=str(ports["scheduler"])),
+            # its HTTPS listener too (a local CA under its data dir; wrk routes by header, no DNS)
             "gateway": dict(common, AGENTENV_PORT=str(ports["gateway"]), AGENTENV_SCHEDULER_URL=urls["scheduler"],
-                            AGENTENV_BOOTSTRAP_API_KEY=key),
+                            AGENTENV_BOOTSTRAP_API_KEY=key, AGENTENV_DATA_DIR=str(data / "gateway"),
+                            AGENTENV_DOMAIN="bench.test", AGENTENV_HTTPS_BIND=f"127.0.0.1:{ports['gateway_https']}"),
             "node": dict(common, AGENTENV_PORT=str(ports["node"]), AGENTENV_DATA_DIR=str(data),
                          AGENTENV_NODE_ID="bench", AGENTENV_NODE_URL=urls["node"]),
         }
@@ -1629,7 +1635,7 @@ def cluster_bench(quick: bool) -> dict:
             try:
                 nodes = requests.get(f"{urls['scheduler']}/internal/nodes", timeout=3,
                                      headers={"X-Agentenv-Cluster-Token": token}).json()
-                if nodes and all(requests.get(f"{u}/health", timeout=3).ok for u in urls.values()):
+                if nodes and all(requests.get(f"{u}/health", timeout=3, verify=False).ok for u in urls.values()):
                     break
             except Exception:  # noqa: BLE001
                 pass
@@ -1706,7 +1712,7 @@ def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
         # warming up); the rounds below start after that
         wrk(f"{urls['node']}/", connections=32, seconds=5, headers=route)
         for conns in (1, 32):
-            rounds: dict[str, list[dict]] = {"direct": [], "node": [], "gateway": []}
+            rounds: dict[str, list[dict]] = {"direct": [], "node": [], "gateway": [], "gateway_https": []}
             for name in rounds:  # warm-up (connection pools)
                 wrk(f"{urls[name]}/", connections=conns, seconds=1, headers=route)
             for _ in range(3):
@@ -1716,7 +1722,7 @@ def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
                 r = {"rps": statistics.median(x["rps"] or 0 for x in rs), "p50": statistics.median(x["p50"] for x in rs),
                      "non_2xx": sum(x["non_2xx"] for x in rs), "socket_errors": sum(x["socket_errors"] for x in rs)}
                 out["runs"].setdefault(str(conns), {})[name] = r
-                log(f"cluster traffic: {name:7s} c={conns:2d}: {r['rps']:.0f} req/s, p50 {r['p50'] * 1000:.2f} ms, "
+                log(f"cluster traffic: {name:13s} c={conns:2d}: {r['rps']:.0f} req/s, p50 {r['p50'] * 1000:.2f} ms, "
                     f"non-2xx {r['non_2xx']}, socket errors {r['socket_errors']}")
         # whether the node's HAProxy served the requests itself (its user-port backend's answers)
         out["haproxy_answers"] = haproxy_user_answers(node_dir) - served0 if served0 is not None else None
