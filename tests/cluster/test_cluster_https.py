@@ -3,9 +3,10 @@
 A gateway replica serves HTTPS on <addr>:443 with AGENTENV_DOMAIN=<domain> and the local CA it
 creates on first start (`cluster/gateway_https.py`); dnsmasq on <addr>:53 answers every name under
 <domain> with <addr> (tests/dns_resolver.py). The Python SDK, with E2B_DOMAIN and no E2B_API_URL /
-E2B_SANDBOX_URL, creates a sandbox through it (placed on a node by the scheduler) and runs commands,
-files, a watch and a PTY over TLS, and so does the npm SDK; `get_host()` and the signed download/upload URLs work with plain
-curl; a renewed certificate is served after SIGHUP without a restart.
+E2B_SANDBOX_URL, creates a sandbox through it (placed on a node by the scheduler) and runs
+commands, files, a watch and a PTY over TLS, and so does the npm SDK; `get_host()` and the signed
+download/upload URLs work with plain curl; a paused auto-resume sandbox is woken by an HTTPS request
+to its host; a renewed certificate is served after SIGHUP without a restart.
 """
 
 from __future__ import annotations
@@ -91,18 +92,20 @@ def test_gateway_serves_e2b_domain_over_https(cluster, tmp_path: Path) -> None:
         assert "new.txt" in js["watched"] and "pty-42" in js["pty"]
 
         # ---- get_host(): a user's app in the sandbox, reached by name with curl
-        sbx = Sandbox.connect(sandbox_id, **cluster.sdk_opts())
-        sbx.files.write("/home/user/app.py", (TESTS / "proxy" / "sandbox_app.py").read_text())
-        sbx.commands.run(f"setsid nohup python3 /home/user/app.py {APP_PORT} >/tmp/app.log 2>&1 </dev/null &")
-        route = {"E2b-Sandbox-Id": sandbox_id, "E2b-Sandbox-Port": str(APP_PORT)}
-        deadline = time.monotonic() + 60
-        while requests.get(f"{cluster.gateway.url}/hello", headers=route, timeout=30).status_code != 200:
-            assert time.monotonic() < deadline, sbx.commands.run("cat /tmp/app.log").stdout
-            time.sleep(0.2)
+        def start_app(box: Sandbox) -> None:
+            box.files.write("/home/user/app.py", (TESTS / "proxy" / "sandbox_app.py").read_text())
+            box.commands.run(f"setsid nohup python3 /home/user/app.py {APP_PORT} >/tmp/app.log 2>&1 </dev/null &")
+            route = {"E2b-Sandbox-Id": box.sandbox_id, "E2b-Sandbox-Port": str(APP_PORT)}
+            deadline = time.monotonic() + 60
+            while requests.get(f"{cluster.gateway.url}/hello", headers=route, timeout=30).status_code != 200:
+                assert time.monotonic() < deadline, box.commands.run("cat /tmp/app.log").stdout
+                time.sleep(0.2)
 
         def curl(*args: str):
             return resolver.run(["curl", "-sS", "--cacert", str(ca), "--max-time", "60", *args], timeout=90)
 
+        sbx = Sandbox.connect(sandbox_id, **cluster.sdk_opts())
+        start_app(sbx)
         r = curl("-f", f"https://{out['host']}/hello?via=curl")
         assert r.returncode == 0, r.stderr
         hello = json.loads(r.stdout)
@@ -121,6 +124,20 @@ def test_gateway_serves_e2b_domain_over_https(cluster, tmp_path: Path) -> None:
         forged = out["download_url"].replace("signature=", "signature=v1_forged", 1)
         r = curl("-o", "/dev/null", "-w", "%{http_code}", forged)
         assert r.stdout in ("401", "403"), r.stdout
+
+        # ---- a paused auto-resume sandbox, woken by an HTTPS request to its host (its node wakes it)
+        auto = Sandbox.create(timeout=300, lifecycle={"on_timeout": "pause", "auto_resume": True},
+                              **cluster.sdk_opts())
+        created.append(auto.sandbox_id)
+        start_app(auto)
+        auto.pause()
+        assert bindings(cluster)[auto.sandbox_id][1] == "paused"
+        r = curl("-f", f"https://{APP_PORT}-{auto.sandbox_id}.{domain}/hello?woken=1")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["path"] == "/hello?woken=1"
+        owner, state = bindings(cluster)[auto.sandbox_id]
+        assert state == "running"
+        assert f"woke sandbox {auto.sandbox_id} on traffic" in cluster.nodes[owner].log_tail(400)
 
         # ---- a renewed certificate is served after SIGHUP, without a restart
         before = served_certificate(addr, domain)
