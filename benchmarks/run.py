@@ -149,6 +149,22 @@ backend sandbox
 """
 
 
+def wait_proxy(proc: subprocess.Popen, port: int, what: str) -> None:
+    """Until the reverse proxy `proc` answers 200 on 127.0.0.1:`port` (20 s at most)."""
+    import requests
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if requests.get(f"http://127.0.0.1:{port}/", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start: {proc.stderr.read().decode()[-500:] if proc.stderr else ''}")
+        time.sleep(0.1)
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU the processes have used so far (all their threads)."""
     total = 0
@@ -1042,16 +1058,7 @@ class Bench:
                                       "-e", str(ngx_dir / "error.log")],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    if requests.get(f"http://127.0.0.1:{ngx_port}/", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if nginx.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"nginx did not start: {nginx.stderr.read().decode()[-500:] if nginx.stderr else ''}")
-                time.sleep(0.1)
+            wait_proxy(nginx, ngx_port, "nginx")
             haproxy = haproxy_pids(self.srv.data_dir)
             if haproxy:
                 bare_port = free_port()
@@ -1059,17 +1066,7 @@ class Bench:
                 bare = subprocess.Popen(["haproxy", "-db", "-f", str(ngx_dir / "bare-haproxy.cfg")],
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, start_new_session=True)
-                deadline = time.monotonic() + 20
-                while True:
-                    try:
-                        if requests.get(f"http://127.0.0.1:{bare_port}/", timeout=5).status_code == 200:
-                            break
-                    except requests.RequestException:
-                        pass
-                    if bare.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("the bare HAProxy did not start: "
-                                           f"{bare.stderr.read().decode()[-500:] if bare.stderr else ''}")
-                    time.sleep(0.1)
+                wait_proxy(bare, bare_port, "the bare HAProxy")
             # CPU the proxy itself burns per request: unlike requests/s, it does not depend on how
             # much of the shared machine the proxy got during the run.
             targets = [("direct", f"http://{upstream}/", {}, []),
