@@ -137,7 +137,7 @@ class Fence:
             self._store_suspect = False
             if failing:  # the next fresh start only after as long again
                 self._store_failing_since = time.monotonic()
-        await store.inner.put_node(rec)
+        await store.heartbeat(rec)
 
     async def _watch(self) -> None:
         while True:

@@ -35,11 +35,32 @@ class NodeScopedStore:
     While the node is fenced (`cluster/fence.py`) its sandbox writes are dropped: the cluster's
     truth stays as the cluster left it, and the node writes its own back when it rejoins."""
 
-    def __init__(self, inner, node_id: str, factory=None) -> None:
+    def __init__(self, inner, node_id: str, factory=None, lane_factory=None) -> None:
         self.inner = inner
         self.node_id = node_id
         self.fenced = False
         self._factory = factory  # a fresh, unopened store (reconnect)
+        self._lane_factory = lane_factory  # a fresh, unopened one-connection store: the heartbeat's own
+        self._lane = None
+
+    async def heartbeat(self, rec) -> None:
+        """The node's heartbeat write. With `lane_factory`, on a connection of its own: under load the
+        shared pool can be saturated for longer than the lease (every connection busy, the rest
+        queued), and a healthy node must not fence itself because its heartbeat waited in that queue.
+        The lane still proves what the lease means: this node reaches the state store."""
+        if self._lane_factory is None:
+            await self.inner.put_node(rec)
+            return
+        if self._lane is None:
+            lane = self._lane_factory()
+            await lane.open()
+            self._lane = lane
+        await self._lane.put_node(rec)
+
+    async def close_lane(self) -> None:
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            await _close_quietly(lane)
 
     def __getattr__(self, name: str) -> Any:  # templates, keys, snapshots, nodes: shared as they are
         return getattr(self.inner, name)
@@ -84,12 +105,17 @@ class NodeScopedStore:
             raise
         old, self.inner = self.inner, fresh
         asyncio.get_running_loop().create_task(_close_quietly(old))
+        lane, self._lane = self._lane, None  # the heartbeat's connection too: opened afresh on its next use
+        if lane is not None:
+            asyncio.get_running_loop().create_task(_close_quietly(lane))
 
 
     def abandon(self) -> None:
         """Drop the store's connections at once (on fencing): a write still queued on a connection
         the network cut must not land when the network comes back, after the node rejoined."""
         _terminate(self.inner)
+        if self._lane is not None:
+            _terminate(self._lane)
 
 
 def _terminate(store) -> None:
@@ -300,12 +326,12 @@ def configure_role_logging(settings: Settings) -> None:
     configure_logging(logging.getLevelName(logging.getLogger().level), settings.log_format)
 
 
-def open_cluster_store(settings: Settings):
+def open_cluster_store(settings: Settings, *, max_size: int = 10):
     from agentenv.state.postgres import PostgresStateStore, is_postgres_url
 
     if not is_postgres_url(settings.database_url):
         raise SystemExit("cluster roles need AGENTENV_DATABASE_URL=postgresql://... (the shared state store)")
-    return PostgresStateStore(settings.database_url)
+    return PostgresStateStore(settings.database_url, min_size=1, max_size=max_size)
 
 
 async def run_node(settings: Settings, *, progress=None) -> None:
@@ -321,7 +347,8 @@ async def run_node(settings: Settings, *, progress=None) -> None:
         settings.fence_timing()
     except ValueError as e:
         raise SystemExit(f"agentenv node: {e}") from None
-    store = NodeScopedStore(shared, settings.node_id, factory=lambda: open_cluster_store(settings))
+    store = NodeScopedStore(shared, settings.node_id, factory=lambda: open_cluster_store(settings),
+                            lane_factory=lambda: open_cluster_store(settings, max_size=1))
     c = await build(settings, store=store, publish_paused=True)
     from agentenv.cluster import tls
 
@@ -370,5 +397,6 @@ async def run_node(settings: Settings, *, progress=None) -> None:
                 pass
         await agent.client.close()
         await c.proxy.close()
+        await store.close_lane()
         await store.inner.close()
         reaper.cancel()
