@@ -100,6 +100,11 @@ class Settings(BaseSettings):
     # process when the sandbox runs out (like a kernel OOM killer); the host limit, which kills the
     # whole sandbox, is the backstop. 0 = no headroom and no in-sandbox OOM killer.
     memory_headroom_mb: int = Field(default=256, ge=0)
+    # CPU weight of all sandboxes together against the host's own processes (cgroup v2 cpu.weight
+    # of the `agentenv` parent cgroup; v1 gets the matching cpu.shares). It only matters when the CPU is
+    # saturated: then the node's control plane (its event loop, heartbeat, PostgreSQL) runs first and
+    # sandboxes share the rest. 100 = the kernel's default (one sandbox-sized peer); 0 = leave it alone.
+    sandbox_cpu_weight: int = Field(default=5, ge=0, le=10000)
     # Open files per process inside a sandbox (RLIMIT_NOFILE, soft = hard).
     sandbox_nofile: int = Field(default=65536, ge=64, le=1048576)
     # Bandwidth cap per sandbox and direction in Mbit/s (tc tbf in the slot's netns); 0 = none.

@@ -186,6 +186,38 @@ def raise_memory_limit(spec: SandboxSpec) -> None:
             f.write_text(limit)
 
 
+def weigh_sandboxes_cpu(weight: int) -> str | None:
+    """Give the parent cgroup of every sandbox (`/agentenv`, created here if runsc has not yet) a CPU
+    weight of `weight` (cgroup v2 `cpu.weight`; v1 `cpu.shares` = weight × 1024 / 100). Returns what
+    was written, or None (0: left alone; no writable cgroup fs). Sandboxes keep their own CPU quota
+    below it; the weight only decides who runs first when the host's CPU is saturated.
+
+    Measured on a 2-core host at 48 busy sandboxes (the cluster load test): with the kernel's default
+    weight a node agent's main thread waited 25 s on the run queue for every 1 s it ran, its
+    heartbeats took seconds and nodes fenced themselves; at weight 5 it waited ~2 s per 1 s."""
+    if weight <= 0:
+        return None
+    try:
+        if (CGROUP_FS / "cpu" / "cpu.shares").exists():  # v1
+            d = CGROUP_FS / "cpu" / CGROUP_PARENT
+            d.mkdir(exist_ok=True)
+            value, name = str(max(2, weight * 1024 // 100)), "cpu.shares"
+        elif (CGROUP_FS / "cgroup.controllers").exists():  # v2
+            d = CGROUP_FS / CGROUP_PARENT
+            d.mkdir(exist_ok=True)
+            if not (d / "cpu.weight").exists():  # the cpu controller is not on for the root's children
+                (CGROUP_FS / "cgroup.subtree_control").write_text("+cpu")
+            value, name = str(min(10000, weight)), "cpu.weight"
+        else:
+            return None
+        (d / name).write_text(value)
+        return f"{d / name} = {value}"
+    except OSError as e:
+        log.warning("could not set the sandboxes' CPU weight (%s); under a saturated CPU the node's own "
+                    "processes compete with them as equals: %s", CGROUP_FS / CGROUP_PARENT, e)
+        return None
+
+
 class GVisorRuntime:
     """Runtime protocol implementation on top of the runsc CLI."""
 
@@ -244,6 +276,9 @@ class GVisorRuntime:
         res = await run_cmd([self.runsc, "flags"], timeout=SHORT_TIMEOUT, check=False, what="runsc flags")
         # Newer runsc has --overlay2 (we want it off); very old ones only the boolean --overlay.
         self._overlay_flag = "--overlay2=none" if "overlay2" in (res.stdout + res.stderr) else "--overlay=false"
+        weighed = weigh_sandboxes_cpu(self.settings.sandbox_cpu_weight)
+        if weighed:
+            log.info("sandboxes' CPU weight: %s", weighed)
         log.info("gVisor: runsc %s (release %s), platform %s: %s", self.runsc, choice.runsc_version or "?",
                  choice.platform, choice.reason)
 

@@ -50,6 +50,20 @@ class Handler(BaseHTTPRequestHandler):
                 body = {"written": True}
             except OSError as e:
                 body = {"written": False, "error": str(e)}
+        elif url.path == "/burn":
+            # CPU-bound children for `seconds` (the CPU weight test): answered at once, they spin on.
+            import os
+            import time
+            pids = []
+            for _ in range(int(q.get("procs", ["1"])[0])):
+                pid = os.fork()
+                if pid == 0:
+                    end = time.monotonic() + float(q.get("seconds", ["5"])[0])
+                    while time.monotonic() < end:
+                        pass
+                    os._exit(0)
+                pids.append(pid)
+            body = {"pids": pids}
         elif url.path == "/file":
             with open(q["path"][0]) as f:
                 body = {"content": f.read()}

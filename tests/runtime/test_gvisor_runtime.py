@@ -306,3 +306,36 @@ async def test_image_of_the_old_runsc_fails_with_the_cause(kit: SandboxKit, sett
     assert "cannot restore a checkpoint across releases" in e.value.message
     assert not await kit.rt.is_alive(box.sandbox_id)  # nothing half-restored
     assert box.sandbox_id not in await kit.rt.list_ids()
+
+
+def _host_spin_share(seconds: float) -> float:
+    """CPU time a busy host process (this test's own cgroup, like the node agent) gets per second of
+    wall time while the sandboxes spin."""
+    code = ("import os,time\nt=time.monotonic()+%f\nwhile time.monotonic()<t: pass\n"
+            "print(sum(os.times()[:2]))" % seconds)
+    t0 = time.monotonic()
+    out = subprocess.run(["python3", "-c", code], capture_output=True, text=True, check=True).stdout
+    return float(out) / (time.monotonic() - t0)
+
+
+async def test_host_processes_run_first_when_sandboxes_saturate_the_cpu(kit: SandboxKit):
+    """All sandboxes together weigh `sandbox_cpu_weight` (5) against a host process's 100: a node agent
+    whose sandboxes burn every core still gets the CPU it asks for (its heartbeat stays on time)."""
+    from agentenv.runtimes.gvisor import CGROUP_FS, CGROUP_PARENT
+
+    box, _ = await kit.start(cpu_count=os.cpu_count() or 1)
+    v1 = CGROUP_FS / "cpu" / CGROUP_PARENT / "cpu.shares"
+    if v1.exists():
+        assert v1.read_text().strip() == str(kit.settings.sandbox_cpu_weight * 1024 // 100)
+    else:
+        assert (CGROUP_FS / CGROUP_PARENT / "cpu.weight").read_text().strip() == str(kit.settings.sandbox_cpu_weight)
+    procs = 2 * (os.cpu_count() or 1)
+    assert len(http_get(box.slot.host_ip, f"/burn?procs={procs}&seconds=8")["pids"]) == procs
+    await asyncio.sleep(1.0)  # the children are spinning
+    share = await asyncio.to_thread(_host_spin_share, 3.0)
+    report(f"a busy host process got {share:.2f} of a core while {procs} sandbox processes spun "
+           f"({os.cpu_count()} cores)")
+    # With the kernel's default weight it got 0.51 of a core here (2 cores); weight 5: 0.96.
+    assert share >= 0.85, share
+    await kit.destroy(box)
+    await assert_gone(kit, box)
