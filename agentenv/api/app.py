@@ -35,6 +35,7 @@ from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord, rfc3339
 from agentenv.observability.logs import REQUEST_ID
+from agentenv.state import store_unavailable
 
 log = logging.getLogger(__name__)
 
@@ -552,11 +553,19 @@ def _make_middleware(ctx: ApiContext):
                 resp = _error_response(e.status, {"code": e.status, "message": e.reason}, request_id)
             except (asyncio.CancelledError, ConnectionResetError):
                 raise
-            except Exception:
-                log.exception("request %s %s %s: unhandled error", request_id, request.method, request.path)
-                resp = _error_response(
-                    500, {"code": 500, "message": f"Internal server error (request id {request_id})"}, request_id
-                )
+            except Exception as e:
+                if store_unavailable(e):  # not a bug: busy or unreachable; the SDKs retry a 503
+                    log.error("request %s %s %s: the state store did not answer: %s", request_id, request.method,
+                              request.path, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+                    resp = _error_response(503, {"code": 503, "error_code": "state_store_unavailable",
+                                                 "message": "The state store is busy or unreachable; retry "
+                                                 f"shortly (request id {request_id})"}, request_id)
+                    resp.headers["Retry-After"] = "1"
+                else:
+                    log.exception("request %s %s %s: unhandled error", request_id, request.method, request.path)
+                    resp = _error_response(
+                        500, {"code": 500, "message": f"Internal server error (request id {request_id})"}, request_id
+                    )
         resp.headers.update(CORS_HEADERS)
         return resp
 

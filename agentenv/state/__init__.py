@@ -31,4 +31,13 @@ def store_for(settings) -> SQLStateStore:
     return SQLiteStateStore(settings.paths.state_db)
 
 
-__all__ = ["StateStore", "store_for"]
+def store_unavailable(exc: BaseException) -> bool:
+    """The state store did not answer: no pooled connection free in time, a lost or refused
+    connection, SQLite busy. Worth a retry (the API answers 503 with Retry-After), unlike a bug."""
+    from sqlalchemy import exc as sa
+
+    return isinstance(exc, (sa.TimeoutError, sa.OperationalError, sa.InterfaceError)) or \
+        (isinstance(exc, sa.DBAPIError) and exc.connection_invalidated)
+
+
+__all__ = ["StateStore", "store_for", "store_unavailable"]

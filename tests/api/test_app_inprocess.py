@@ -36,7 +36,7 @@ class MemoryOrchestrator:
         self.sandboxes: dict[str, SandboxRecord] = {}
         self.calls: list[tuple] = []
         self.clock = datetime(2026, 1, 1, tzinfo=timezone.utc)
-        self.explode = False
+        self.explode: bool | BaseException = False  # an exception: that one
         self.snapshots: dict[str, SnapshotRecord] = {}
         self.fork_failures: dict[int, AgentEnvError] = {}  # child index -> error for that fork
 
@@ -54,6 +54,8 @@ class MemoryOrchestrator:
                              auto_resume, allow_internet_access, network) -> SandboxRecord:
         self.calls.append(("create", template, timeout, secure, auto_pause, auto_resume, allow_internet_access,
                            network, env_vars))
+        if isinstance(self.explode, BaseException):
+            raise self.explode
         if self.explode:
             raise RuntimeError("secret internal detail")
         snap = self._find_snapshot(template, team_id)
@@ -273,6 +275,24 @@ async def test_unhandled_error_is_500_without_leak(env):
     msg = r.json()["message"]
     assert "secret internal detail" not in msg and "Traceback" not in r.text
     assert r.headers["X-Request-Id"] in msg
+
+
+async def test_state_store_not_answering_is_503_with_retry_after(env):
+    """A store that did not answer (its pool exhausted under load, a lost connection) is not a bug:
+    503 with Retry-After, which the SDKs retry, and a message that says what happened."""
+    from sqlalchemy import exc as sa
+
+    env.orch.explode = sa.TimeoutError("QueuePool limit of size 10 overflow 0 reached, connection timed out, "
+                                       "timeout 30.00")
+    r = await env.client.post("/v2/sandboxes", json={"templateID": "base"})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    body = r.json()
+    assert body["error_code"] == "state_store_unavailable" and "state store" in body["message"]
+    assert r.headers["X-Request-Id"] in body["message"] and "QueuePool" not in body["message"]
+    env.orch.explode = sa.OperationalError("SELECT 1", {}, ConnectionRefusedError("connection refused"))
+    assert (await env.client.post("/v2/sandboxes", json={"templateID": "base"})).status_code == 503
+    env.orch.explode = sa.IntegrityError("INSERT", {}, ValueError("duplicate key"))  # a bug: still 500
+    assert (await env.client.post("/v2/sandboxes", json={"templateID": "base"})).status_code == 500
 
 
 # --- create ---------------------------------------------------------------------------------------
