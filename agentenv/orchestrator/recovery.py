@@ -39,13 +39,17 @@ async def reconcile(orch: "Orchestrator") -> None:
                 listed.update(await rt.list_ids())
         return listed
 
-    async def stand_down(sandbox_id: str, runtime: str | None, has_slot: bool) -> None:
+    async def stand_down(sandbox_id: str, runtime: str | None) -> None:
         """A paused sandbox whose pause's stand-down the old process did not finish (a crash right
-        after the pause answered): its frozen container stops and its slot goes."""
+        after the pause answered): its frozen container stops and its slot goes, also a slot the
+        crash left half-released (its netns without its link), which would refuse its resume."""
         if sandbox_id in await running_ids():
             await host.stop_quietly(sandbox_id, runtime)
-        if has_slot:
-            await host.release_slot(sandbox_id)
+        try:
+            if await host.network.release_id(sandbox_id):
+                log.info("released the network slot the previous process left to paused sandbox %s", sandbox_id)
+        except Exception:  # noqa: BLE001 - its resume says so if the netns is still there
+            log.exception("could not release the old network slot of paused sandbox %s", sandbox_id)
 
     for rec in await orch.store.list_sandboxes():
         if rec.state in (SandboxState.FORKING, SandboxState.SNAPSHOTTING):
@@ -64,7 +68,7 @@ async def reconcile(orch: "Orchestrator") -> None:
             # it; its container may still be there, frozen (a crash right after the pause answered)
             lifecycle.adopt(rec, SandboxState.PAUSED)
             keep.add(rec.sandbox_id)
-            await stand_down(rec.sandbox_id, rec.runtime, slot is not None)
+            await stand_down(rec.sandbox_id, rec.runtime)
             log.info("sandbox %s, paused here while this node was fenced, is kept for its rejoin", rec.sandbox_id)
             continue
         rt = host.runtimes.get(rec.runtime)
@@ -90,7 +94,7 @@ async def reconcile(orch: "Orchestrator") -> None:
         elif rec.state == SandboxState.PAUSED:
             lifecycle.adopt(rec)
             keep.add(rec.sandbox_id)
-            await stand_down(rec.sandbox_id, rec.runtime, slot is not None)
+            await stand_down(rec.sandbox_id, rec.runtime)
             log.info("paused sandbox %s is resumable", rec.sandbox_id)
         else:
             log.warning("dropping sandbox %s (state %s) that did not survive the restart", rec.sandbox_id,

@@ -9,6 +9,7 @@ stand-down still in flight; after a crash of the server the pending `delete` giv
 
 from __future__ import annotations
 
+import subprocess
 import time
 
 import pytest
@@ -57,6 +58,13 @@ def test_what_follows_a_pause_waits_for_its_stand_down(server):
         first.kill9()
         time.sleep(3.5)  # the pending `delete` has given up
         assert any(c.sandbox_id in x for x in runsc_containers(d)), "the crash came after the stand-down"
+        assert f"{NETNS_PREFIX}{c.sandbox_id}" in agentenv_netns()
+        # ... and cut its slot's release half-way: the root-ns link gone, the netns still there (a
+        # crash inside the stand-down's release); the next start frees that netns too
+        links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+        (link,) = [ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()
+                   if f"alias {c.sandbox_id}" in ln]
+        subprocess.run(["ip", "link", "del", link], check=True)
         assert f"{NETNS_PREFIX}{c.sandbox_id}" in agentenv_netns()
 
         second = start_extra_server(d, api_key=key, env=env, log_name="server-2.log")
