@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -77,6 +78,21 @@ async def _cycle_steps(i: int, opts: dict, stats: Counter, deadline: float) -> s
     return "ok"
 
 
+def _server_side(cluster, failures: list) -> str:
+    """The gateway's and nodes' log records of the failed requests (their request ids), so that a red
+    run says why a server answered 500, not only that it did."""
+    ids = {m for f in failures for m in re.findall(r"request id ([0-9a-f]{16})", str(f))}
+    logs = {"gateway": cluster.gateway.log_path, **{name: n.log_path for name, n in cluster.nodes.items()}}
+    found = []
+    for name, path in logs.items():
+        try:
+            lines = path.read_text(errors="replace").splitlines()
+        except OSError:
+            continue
+        found += [f"{name}: {line[:3000]}" for line in lines if any(i in line for i in ids)]
+    return "\n".join(found[:10]) or f"(no log record names the request ids {sorted(ids)[:5]})"
+
+
 def test_load_cycles_through_gateway(cluster):
     opts = dict(api_key=cluster.api_key, api_url=cluster.gateway.url, sandbox_url=cluster.gateway.url)
     stats: Counter = Counter()
@@ -120,7 +136,8 @@ def test_load_cycles_through_gateway(cluster):
     untyped = [f"{r}" for r, c in zip(failures, causes)
                if isinstance(c, BaseException) and type(c).__module__.split(".")[0] != "e2b"]
     assert not untyped, f"untyped failures: {untyped[:5]}"
-    assert outcome["ok"] == CYCLES, f"{len(failures)} cycles failed: {failures[:5]}; the nodes' lease:\n" + \
+    assert outcome["ok"] == CYCLES, f"{len(failures)} cycles failed: {failures[:5]}; what the servers logged of " \
+        f"them:\n{_server_side(cluster, failures)}\nthe nodes' lease:\n" + \
         "\n".join(f"{name}: {line}" for name, node in cluster.nodes.items()
                   for line in node.log_tail(20000).splitlines() if "heartbeat" in line or "FENCED" in line)[-6000:]
     for nid in ("a", "b", "c"):
