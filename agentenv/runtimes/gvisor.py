@@ -192,9 +192,9 @@ def weigh_sandboxes_cpu(weight: int) -> str | None:
     was written, or None (0: left alone; no writable cgroup fs). Sandboxes keep their own CPU quota
     below it; the weight only decides who runs first when the host's CPU is saturated.
 
-    Measured on a 2-core host at 48 busy sandboxes (the cluster load test): with the kernel's default
-    weight a node agent's main thread waited 25 s on the run queue for every 1 s it ran, its
-    heartbeats took seconds and nodes fenced themselves; at weight 5 it waited ~2 s per 1 s."""
+    Measured on a 2-core host at 48 busy sandboxes (the cluster load test), a node agent's main thread
+    over 8 s: at the kernel's default weight it ran 0.11 s and waited 2.9 s on the run queue (its
+    heartbeats took seconds and nodes fenced themselves); at weight 5 it waited 0.14-0.33 s."""
     if weight <= 0:
         return None
     try:
