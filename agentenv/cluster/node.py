@@ -53,7 +53,7 @@ class NodeScopedStore:
             return
         if self._lane is None:
             lane = self._lane_factory()
-            await lane.open()
+            await lane.open(upgrade=False)  # the node's own store migrated the database at its start
             self._lane = lane
         await self._lane.put_node(rec)
 

@@ -59,7 +59,9 @@ class SQLStateStore:
 
     # lifecycle ----------------------------------------------------------------------------------
 
-    async def open(self) -> None:
+    async def open(self, *, upgrade: bool = True) -> None:
+        """`upgrade=False`: a second store on a database another one already migrated (a node's
+        heartbeat connection), without the migration's lock on its way."""
         if self._engine is not None:
             return
         engine = self._make_engine()
@@ -67,7 +69,8 @@ class SQLStateStore:
         event.listen(engine.sync_engine, "close", self._untrack)
         event.listen(engine.sync_engine, "close_detached", self._untrack)
         try:
-            await migrate.upgrade(engine)
+            if upgrade:
+                await migrate.upgrade(engine)
         except BaseException:
             await engine.dispose()
             raise
