@@ -57,8 +57,6 @@ class Admission:
         # team's quota and by the node's capacity from the moment they are admitted.
         self._reserved: dict[str, int] = {}
         self._unreleased: list[str] = []  # store reservations whose release failed: retried
-        # team -> [lock, holders]: this node's admissions of one team go to the store one at a time.
-        self._team_turns: dict[str, list] = {}
 
     @property
     def starting(self) -> int:
@@ -143,22 +141,6 @@ class Admission:
             log.info("released %d team reservation(s) left by this node's previous run", n)
 
     @contextlib.asynccontextmanager
-    async def _team_turn(self, team_id: str) -> AsyncIterator[None]:
-        """One of this node's admissions of `team_id` in the store at a time. The store serialises a
-        team's admissions over every node anyway (a lock per team, held for a transaction); waiting
-        for it here rather than there keeps the others off the node's database pool, which a burst of
-        one team's creates would otherwise fill with connections that only wait for that lock."""
-        turn = self._team_turns.setdefault(team_id, [asyncio.Lock(), 0])
-        turn[1] += 1
-        try:
-            async with turn[0]:
-                yield
-        finally:
-            turn[1] -= 1
-            if not turn[1]:
-                self._team_turns.pop(team_id, None)
-
-    @contextlib.asynccontextmanager
     async def admit(self, team_id: str, n: int = 1) -> AsyncIterator[None]:
         """Node capacity + the team's concurrent-sandbox quota (over every node) for `n` more
         sandboxes, held until they are up (or failed)."""
@@ -166,8 +148,7 @@ class Admission:
         self._admit(n)
         self._reserved[team_id] = self._reserved.get(team_id, 0) + n  # no await since the check
         try:
-            async with self._team_turn(team_id):
-                ids, active = await self.store.reserve_team(team_id, self.settings.node_id, n, limit)
+            ids, active = await self.store.reserve_team(team_id, self.settings.node_id, n, limit)
         except BaseException:
             self._unreserve(team_id, n)
             raise

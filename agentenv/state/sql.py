@@ -12,10 +12,12 @@ other processes (the CLI) read while the server writes. PostgreSQL (asyncpg): a 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +58,8 @@ class SQLStateStore:
         self._make_engine = make_engine
         self._engine: AsyncEngine | None = None
         self._drivers: dict[int, Any] = {}  # the driver connections the pool holds (for `terminate`)
+        # team -> [lock, holders]: this process's admissions of one team take a connection one at a time
+        self._team_turns: dict[str, list] = {}
 
     # lifecycle ----------------------------------------------------------------------------------
 
@@ -323,7 +327,7 @@ class SQLStateStore:
         now = utcnow()
         ids = [uuid.uuid4().hex for _ in range(n)]
         try:
-            async with self.engine.begin() as conn:
+            async with self._team_turn(team_id), self.engine.begin() as conn:
                 await self._team_lock(conn, team_id)
                 await conn.execute(team_reservations.insert(), [
                     {"reservation_id": rid, "team_id": team_id, "node_id": node_id, "sandbox_id": None,
@@ -355,6 +359,22 @@ class SQLStateStore:
         plus reservations of starts not counted by a record yet."""
         async with self.engine.connect() as conn:
             return await self._team_active(conn, team_id)
+
+    @contextlib.asynccontextmanager
+    async def _team_turn(self, team_id: str) -> AsyncIterator[None]:
+        """This process's admissions of `team_id` wait for each other here, before they take a pooled
+        connection: the team lock below serialises them anyway, and a burst of one team's starts would
+        otherwise fill the pool with connections that only wait for that lock (the heartbeat and every
+        other query queued behind them)."""
+        turn = self._team_turns.setdefault(team_id, [asyncio.Lock(), 0])
+        turn[1] += 1
+        try:
+            async with turn[0]:
+                yield
+        finally:
+            turn[1] -= 1
+            if not turn[1]:
+                self._team_turns.pop(team_id, None)
 
     async def _team_lock(self, conn: AsyncConnection, team_id: str) -> None:
         if self.dialect == "postgresql":
