@@ -487,14 +487,18 @@ class SandboxHost:
             log.exception("stop of %s failed", sandbox_id)
 
     async def release_slot(self, sandbox_id: str) -> None:
+        """The sandbox's slot goes, also one a crash left half-released (its netns without its link),
+        which would refuse the sandbox's next bring-up."""
         self._rules.pop(sandbox_id, None)
-        slot = self.slots.pop(sandbox_id, None) or self.network.slot_for(sandbox_id)
-        if slot is not None:
-            try:
-                with span("network.release", sandbox_id):
+        slot = self.slots.pop(sandbox_id, None)
+        try:
+            with span("network.release", sandbox_id):
+                if slot is not None:
                     await self.network.release(slot)
-            except Exception:  # noqa: BLE001
-                log.exception("network release failed for %s", sandbox_id)
+                else:
+                    await self.network.release_id(sandbox_id)
+        except Exception:  # noqa: BLE001
+            log.exception("network release failed for %s", sandbox_id)
 
     async def stand_down(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Undo a bring-up that failed but leave the sandbox's files (its paused state) as they are."""

@@ -45,11 +45,7 @@ async def reconcile(orch: "Orchestrator") -> None:
         crash left half-released (its netns without its link), which would refuse its resume."""
         if sandbox_id in await running_ids():
             await host.stop_quietly(sandbox_id, runtime)
-        try:
-            if await host.network.release_id(sandbox_id):
-                log.info("released the network slot the previous process left to paused sandbox %s", sandbox_id)
-        except Exception:  # noqa: BLE001 - its resume says so if the netns is still there
-            log.exception("could not release the old network slot of paused sandbox %s", sandbox_id)
+        await host.release_slot(sandbox_id)
 
     for rec in await orch.store.list_sandboxes():
         if rec.state in (SandboxState.FORKING, SandboxState.SNAPSHOTTING):
