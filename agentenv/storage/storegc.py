@@ -17,8 +17,8 @@ a copy onto itself; a directory: utime), which makes it just as young. The blobs
 the roots are read, and each one is checked again (HEAD) right before its delete, so a touch that
 lands before that check keeps it. The one window left — a touch between that check and the delete,
 milliseconds — is closed on the publisher's side: after writing its reference it checks its blobs
-and uploads any that vanished again (`ArtifactCache._verify`). Manifests that cannot be read stop
-the collection (nothing is removed on a partial view).
+and uploads any that vanished again (`ArtifactPublisher._verify`, artifactpublish.py). Manifests
+that cannot be read stop the collection (nothing is removed on a partial view).
 """
 
 from __future__ import annotations
