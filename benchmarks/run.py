@@ -242,6 +242,24 @@ def haproxy_user_answers(data_dir: Path) -> int | None:
     return sum(user[f"hrsp_{k}xx"] for k in range(1, 6)) if user else None
 
 
+def gateway_hop_answers(gateway_data_dir: Path, port: str) -> int | None:
+    """Answers a cluster gateway's HAProxy relayed from nodes on its fast path (its node_hop backend)."""
+    from agentenv.proxy.haproxy import RuntimeApi, sock_dir_for
+
+    try:
+        out = asyncio.run(RuntimeApi(sock_dir_for(gateway_data_dir / "gateway-haproxy" / port) / "admin.sock")
+                          .run(["show stat"]))
+    except OSError:
+        return None
+    lines = "\n".join(out).splitlines()
+    cols = lines[0][2:].split(",") if lines else []
+    for line in lines[1:]:
+        row = dict(zip(cols, line.split(",")))
+        if row.get("pxname") == "node_hop" and row.get("svname") == "BACKEND":
+            return sum(int(row.get(f"hrsp_{k}xx") or 0) for k in range(1, 6))
+    return None
+
+
 def haproxy_pids(data_dir: Path) -> list[int]:
     """The HAProxy process serving the server on `data_dir` (none: the Python proxy serves)."""
     config = os.fsencode(data_dir / "haproxy" / "haproxy.cfg")
@@ -1519,7 +1537,8 @@ def report(res: dict) -> str:
         L += ["", f"Overhead of the gateway + scheduler at p50: {ms(cl['overhead_p50'])}.", ""]
         tr = cl.get("traffic")
         if tr:
-            L += [f"Sandbox traffic on the node (`wrk`, 23-byte answers; node data plane: {tr['node_data_plane']}):", "",
+            L += [f"Sandbox traffic on the node (`wrk`, 23-byte answers; node data plane: {tr['node_data_plane']}, "
+                  f"gateway data plane: {tr.get('gateway_data_plane', 'python')}):", "",
                   "| connections | path | requests/s | p50 | vs direct |", "|---|---|---|---|---|"]
             for conns, runs in tr["runs"].items():
                 for name, label in (("direct", "directly to the sandbox (raw)"), ("node", "the node's listener"),
@@ -1682,7 +1701,7 @@ def cluster_bench(quick: bool) -> dict:
 def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
     """wrk to one in-sandbox server (the proxy benchmark's) on a cluster node: through the node's
     own listener (its data plane: HAProxy when installed) and through the gateway (the gateway's
-    Python proxy, then the node's listener), taking turns, medians of the rounds."""
+    data plane, HAProxy when installed, then the node's listener), taking turns, medians of the rounds."""
     import requests
     from e2b import Sandbox
 
@@ -1698,8 +1717,12 @@ def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
             time.sleep(0.2)
         node_dir = BENCH_DIR.parent / (BENCH_DIR.name + "-cluster-node")
         node_log = (node_dir / "node.log").read_text(errors="replace")
-        out: dict = {"node_data_plane": "haproxy" if "data plane: haproxy" in node_log else "python", "runs": {}}
+        gateway_log = (node_dir / "gateway.log").read_text(errors="replace")
+        out: dict = {"node_data_plane": "haproxy" if "data plane: haproxy" in node_log else "python",
+                     "gateway_data_plane": "haproxy" if "data plane: haproxy" in gateway_log else "python", "runs": {}}
         served0 = haproxy_user_answers(node_dir)
+        gw_port = urls["gateway"].rsplit(":", 1)[1]
+        hop0 = gateway_hop_answers(node_dir / "gateway", gw_port)
         # the raw step: the same server at the sandbox's slot address (the node's netns for it, host0)
         ns = [n for n in sh(["ip", "netns", "list"]).stdout.split() if n.endswith(f"-{sbx.sandbox_id}")]
         addr = sh(["ip", "-n", ns[0], "-4", "-o", "addr", "show", "host0"]).stdout.split("inet ")[1].split("/")[0]
@@ -1724,6 +1747,9 @@ def cluster_traffic(key: str, urls: dict[str, str], quick: bool) -> dict:
         # whether the node's HAProxy served the requests itself (its user-port backend's answers)
         out["haproxy_answers"] = haproxy_user_answers(node_dir) - served0 if served0 is not None else None
         log(f"cluster traffic: the node's HAProxy answered {out['haproxy_answers']} requests itself")
+        hop = gateway_hop_answers(node_dir / "gateway", gw_port)
+        out["gateway_hop_answers"] = hop - hop0 if hop is not None and hop0 is not None else None
+        log(f"cluster traffic: the gateway's HAProxy relayed {out['gateway_hop_answers']} requests itself")
         return out
     finally:
         sbx.kill()

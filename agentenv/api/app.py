@@ -35,6 +35,7 @@ from agentenv.config import Settings
 from agentenv.errors import AgentEnvError, BadRequest, Conflict, Forbidden
 from agentenv.models import SandboxRecord, SnapshotRecord, TemplateRecord, rfc3339
 from agentenv.observability.logs import REQUEST_ID
+from agentenv.proxy.haproxy_conf import public_scheme
 from agentenv.state import store_unavailable
 
 log = logging.getLogger(__name__)
@@ -234,7 +235,7 @@ class _Handlers:
         expires = int(time.time()) + 3600
         query = urlencode({"team": team, "expires": expires,
                            "signature": self._files_signature(team, files_hash, expires)})
-        url = f"{request.scheme}://{request.host}/template-files/{files_hash}?{query}"
+        url = f"{public_scheme(request)}://{request.host}/template-files/{files_hash}?{query}"
         return web.json_response({"present": False, "url": url}, status=201)
 
     async def upload_template_files(self, request: web.Request) -> web.Response:

@@ -32,6 +32,7 @@ from aiohttp import web
 
 from agentenv.errors import BadRequest, Unavailable
 from agentenv.models import BuildStatus, NodeRecord, TemplateBuildRecord, TemplateRecord, rfc3339, utcnow
+from agentenv.proxy.haproxy_conf import public_scheme
 
 log = logging.getLogger("agentenv.cluster.builds")
 
@@ -126,7 +127,7 @@ class BuildRouter:
         data = json.loads(resp.body)
         if data.get("url"):
             _, _, query = data["url"].partition("?")
-            data["url"] = (f"{request.scheme}://{request.host}/template-files/{files_hash}?{query}&"
+            data["url"] = (f"{public_scheme(request)}://{request.host}/template-files/{files_hash}?{query}&"
                            + urlencode({"node": node.node_id}))
         return web.json_response(data, status=resp.status)
 

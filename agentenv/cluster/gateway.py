@@ -64,6 +64,7 @@ class ClusterOrchestrator:
         self._running: list[_Route] = []
         self._running_at = 0.0
         self.on_moved: list = []  # awaited with a sandbox id whose traffic must reconnect (pause, kill, move)
+        self.on_route: list = []  # called with (sandbox id, node id) of a running sandbox the hop resolved
 
     # ------------------------------------------------------------------ nodes and bindings
 
@@ -317,6 +318,9 @@ class ClusterOrchestrator:
         route = _Route(sandbox_id, url.host, "running", rec.envd_access_token, rec.traffic_access_token,
                        url.port or 80)
         self._routes[sandbox_id] = (time.monotonic(), route)
+        if rec.state == SandboxState.RUNNING:
+            for cb in self.on_route:
+                cb(sandbox_id, rec.node_id)
         if len(self._routes) > 50_000:
             self._routes.clear()
         return route
@@ -371,10 +375,13 @@ def _node_hop_proxy_class():
     """
     import aiohttp
 
-    from agentenv.proxy.traffic import _NO_AUTO_HEADERS, TrafficProxy
+    from agentenv.proxy.traffic import _NO_AUTO_HEADERS, TRAFFIC_TOKEN_HEADER, TrafficProxy
 
     class NodeHopProxy(TrafficProxy):
         node_ssl = None  # cluster TLS: the hop goes over HTTPS with the gateway's client certificate
+        # The node checks a private sandbox's traffic token again (its fast path cannot know that the
+        # gateway did): it goes on with the request.
+        strip_request = TrafficProxy.strip_request - {TRAFFIC_TOKEN_HEADER.lower()}
 
         def _hop(self, url):
             return url.with_scheme("https") if self.node_ssl is not None else url
@@ -473,10 +480,13 @@ async def run_gateway(settings: Settings) -> None:
         from agentenv.console import mount_console
 
         mount_console(app)
-    from agentenv.cluster import gateway_https
+    from agentenv.cluster import gateway_dataplane
 
     try:
-        listen, local_ca = gateway_https.listener(settings)  # HTTPS for E2B_DOMAIN, when configured
+        listen, local_ca, data_plane = gateway_dataplane.listener(settings, orch, reloader)  # HAProxy, HTTPS
+        if data_plane is not None:  # off HAProxy's fast path first, then the Python hop's connections
+            orch.on_moved.insert(0, data_plane.forget)
+            orch.on_route.append(data_plane.noted)
 
         async def on_started() -> None:
             tailer.start()

@@ -1,4 +1,6 @@
-"""The gateway's HTTPS listener for clients: `E2B_DOMAIN` against a cluster (docs/cluster.md, "HTTPS").
+"""The gateway's own listeners when it runs without HAProxy (`data_plane = python`, or no haproxy
+installed; with it, `gateway_dataplane` serves both): HTTPS for `E2B_DOMAIN` against a cluster
+(docs/cluster.md, "HTTPS").
 
 With `https_bind` and `domain` set, `agentenv gateway` serves, next to its plain listener, HTTPS on
 `https_bind` with a certificate for `<domain>` and `*.<domain>`: the operator's (`tls_cert` +

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from agentenv.errors import RuntimeFailure
 from agentenv.network import sockdiag
 from agentenv.proc import CommandError, run_cmd, run_streamed
-from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, ClusterListener, HaproxyLayout, render
+from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, ClusterListener, HaproxyLayout, NodeHop, render
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,9 @@ def _safe(*values: str) -> bool:
 
 class RouteSource(Protocol):
     """What the route table reads: every running sandbox with its slot address (a full reconcile),
-    and one sandbox's route or None (an update after an event: O(1), however many sandboxes run)."""
+    and one sandbox's route or None (an update after an event: O(1), however many sandboxes run).
+    A route has `sandbox_id`, `host_ip` (the routes map's value: the slot address, or on a cluster
+    gateway the node id) and `traffic_access_token` (None for a public sandbox, and on a gateway)."""
 
     def running_routes(self) -> Iterable[Any]: ...
 
@@ -258,7 +260,7 @@ class DataPlane:
 
     def __init__(self, binary: str, layout: HaproxyLayout, source: RouteSource, *, http_bind: str | None,
                  https_bind: str | None = None, cert: Path | None = None, threads: int | None = None,
-                 cluster: ClusterListener | None = None) -> None:
+                 cluster: ClusterListener | None = None, hop: NodeHop | None = None) -> None:
         self.binary = binary
         self.layout = layout
         self.api = RuntimeApi(layout.admin_socket)
@@ -267,6 +269,7 @@ class DataPlane:
         self._https_bind = https_bind
         self._cert = cert
         self._cluster = cluster
+        self._hop = hop
         self._threads = threads or max(1, min((os.cpu_count() or 1) // 2, 4))
         self._supervisor: asyncio.Task[None] | None = None
         self._sync: asyncio.Task[None] | None = None
@@ -298,7 +301,8 @@ class DataPlane:
         self.layout.sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         await self.stop_leftover()
         self.layout.config.write_text(render(self.layout, http_bind=self._http_bind, https_bind=self._https_bind,
-                                             cert=self._cert, threads=self._threads, cluster=self._cluster))
+                                             cert=self._cert, threads=self._threads, cluster=self._cluster,
+                                             hop=self._hop))
         self.routes.write_files()
         res = await run_cmd([self.binary, "-c", "-f", self.layout.config], timeout=30, check=False)
         if res.returncode != 0:

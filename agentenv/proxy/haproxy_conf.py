@@ -39,6 +39,10 @@ class HaproxyLayout:
         return self.dir / "tokens.map"
 
     @property
+    def nodes_map(self) -> Path:  # a cluster gateway's: node id -> "<ip>/<port>/<name to verify>"
+        return self.dir / "nodes.map"
+
+    @property
     def admin_socket(self) -> Path:  # the runtime API
         return self.sock_dir / "admin.sock"
 
@@ -71,12 +75,39 @@ class ClusterListener:
 
 
 PEER_HEADER = "X-Agentenv-Cluster-Peer"
+# The scheme the client used (https when HAProxy terminated TLS): set by HAProxy alone, for the
+# server's absolute URLs (`public_scheme`).
+SCHEME_HEADER = "X-Agentenv-Scheme"
 
 
-def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | None,
-           cert: Path | None, threads: int, cluster: ClusterListener | None = None) -> str:
-    """The whole configuration. `http_bind`/`https_bind`: "addr:port" (or None for none);
-    `cluster`: the `http_bind` listener speaks mutual TLS (a cluster node's)."""
+def public_scheme(request) -> str:
+    """The scheme a client reached the server with: HAProxy's word for a request it passed on over
+    the unix socket, else the connection's own."""
+    if isinstance(request.transport.get_extra_info("sockname") if request.transport else None, str):
+        given = request.headers.get(SCHEME_HEADER)
+        if given in ("http", "https"):
+            return given
+    return request.scheme
+
+
+@dataclass(frozen=True)
+class NodeHop:
+    """A cluster gateway's data plane: sandbox traffic goes to the node that runs the sandbox.
+
+    The routes map holds sandbox id -> node id, the nodes map node id -> "<ip>/<port>/<name>" of the
+    node's listener; the request goes there unchanged (the node's own HAProxy routes it into the
+    sandbox and checks a private sandbox's token). With cluster TLS (`pem`, `ca`) the hop is mutual
+    TLS: the gateway's certificate, and the node's verified against the cluster CA *and* <name> (the
+    SNI: the node's host name, or its id, which a certificate without host names carries as CN), so a
+    request never reaches another node than the one the map names. Connections are reused per node
+    (HAProxy keys them by address and SNI)."""
+
+    pem: Path | None          # the gateway's certificate and key, one file (None: plain HTTP hop)
+    ca: Path | None           # the cluster CA
+
+
+def _public_binds(http_bind: str | None, https_bind: str | None, cert: Path | None,
+                  cluster: ClusterListener | None) -> list[str]:
     binds = []
     if http_bind and cluster is not None:
         binds.append(f"    bind {http_bind} ssl crt {cluster.pem} ca-file {cluster.ca} verify optional")
@@ -85,7 +116,15 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
     if https_bind:
         assert cert is not None
         binds.append(f"    bind {https_bind} ssl crt {cert} alpn h2,http/1.1")
-    routes, tokens = layout.routes_map, layout.tokens_map
+    return binds
+
+
+def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | None,
+           cert: Path | None, threads: int, cluster: ClusterListener | None = None,
+           hop: NodeHop | None = None) -> str:
+    """The whole configuration. `http_bind`/`https_bind`: "addr:port" (or None for none);
+    `cluster`: the `http_bind` listener speaks mutual TLS (a cluster node's); `hop`: a cluster
+    gateway's, whose fast path leads to the sandbox's node instead of into the sandbox."""
     return "\n".join([
         "# Written by agentenv at every start; edits are lost (agentenv/proxy/haproxy_conf.py).",
         "global",
@@ -94,6 +133,7 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         "    stats timeout 1h",
         "    hard-stop-after 5s",
         "    ssl-default-bind-options ssl-min-ver TLSv1.2",
+        "    ssl-default-server-options ssl-min-ver TLSv1.2",
         "    tune.ssl.default-dh-param 2048",
         "",
         "defaults",
@@ -109,7 +149,7 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         "    timeout server-fin 1s",
         "",
         "frontend agentenv",
-        *binds,
+        *_public_binds(http_bind, https_bind, cert, cluster),
         f"    http-request del-header {PEER_HEADER}",
         *_peer_rules(cluster),
         # -- which sandbox and port: E2b-Sandbox-Id/-Port headers, else the Host, else a /proxy/ path
@@ -125,37 +165,56 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         "    http-request set-var(txn.sid) path,field(3,/) if !by_hdr !by_host by_path",
         "    http-request set-var(txn.port) path,field(4,/) if !by_hdr !by_host by_path",
         "    http-request set-var(txn.prefixed) bool(true) if !by_hdr !by_host by_path",
-        # -- can HAProxy serve it by itself?
-        f"    http-request set-var(txn.ip) var(txn.sid),map({routes}) if {{ var(txn.sid) -m found }}",
-        f"    http-request set-var(txn.tok) var(txn.sid),map({tokens}) if {{ var(txn.ip) -m found }}",
-        "    acl routed var(txn.ip) -m found",
         "    acl port_ok var(txn.port) -m reg ^[1-9][0-9]{0,4}$",
         "    acl port_ok_range var(txn.port) -m int 1:65535",
-        "    acl private var(txn.tok) -m found",
-        f"    acl envd var(txn.port) -m str {ENVD_PORT}",
-        "    acl token_ok req.hdr(e2b-traffic-access-token),secure_memcmp(txn.tok)",
         "    http-request set-header X-Forwarded-Proto https if { ssl_fc } !{ req.hdr(x-forwarded-proto) -m found }",
         "    http-request set-header X-Forwarded-Proto http if !{ ssl_fc } !{ req.hdr(x-forwarded-proto) -m found }",
         "    http-request set-header X-Forwarded-Host %[req.hdr(host)] if { req.hdr(host) -m found } "
         "!{ req.hdr(x-forwarded-host) -m found }",
         "    option forwardfor",
+        # -- can HAProxy serve it by itself?
+        *(_to_node(layout) if hop is not None else _into_sandbox(layout, cluster)),
+        "    default_backend python",
+        "",
+        *(_node_backend(hop) if hop is not None else
+          [line for name in SANDBOX_BACKENDS for line in _sandbox_backend(name)]),
+        "backend python",
+        f"    http-request set-header {SCHEME_HEADER} https if {{ ssl_fc }}",
+        f"    http-request set-header {SCHEME_HEADER} http if !{{ ssl_fc }}",
+        *([f"    http-request set-header {PEER_HEADER} %[var(txn.peer)] if {{ var(txn.peer) -m found }}"]
+          if cluster is not None else []),
+        f"    server app unix@{layout.app_socket}",
+        "",
+    ])
+
+
+def _into_sandbox(layout: HaproxyLayout, cluster: ClusterListener | None) -> list[str]:
+    """`serve` and a node: a running sandbox's slot address, and a private one's token checked."""
+    routes, tokens = layout.routes_map, layout.tokens_map
+    return [
+        f"    http-request set-var(txn.ip) var(txn.sid),map({routes}) if {{ var(txn.sid) -m found }}",
+        f"    http-request set-var(txn.tok) var(txn.sid),map({tokens}) if {{ var(txn.ip) -m found }}",
+        "    acl routed var(txn.ip) -m found",
+        "    acl private var(txn.tok) -m found",
+        f"    acl envd var(txn.port) -m str {ENVD_PORT}",
+        "    acl token_ok req.hdr(e2b-traffic-access-token),secure_memcmp(txn.tok)",
         "    acl jupyter var(txn.port) -m str 49999",
         *(["    use_backend python if !peer_ok"] if cluster is not None else []),
         "    use_backend python if private !envd !token_ok",
         "    use_backend sandbox_envd if routed port_ok port_ok_range envd",
         "    use_backend sandbox_jupyter if routed port_ok port_ok_range jupyter",
         "    use_backend sandbox_user if routed port_ok port_ok_range",
-        "    default_backend python",
-        "",
-        *_sandbox_backend("sandbox_envd"),
-        *_sandbox_backend("sandbox_jupyter"),
-        *_sandbox_backend("sandbox_user"),
-        "backend python",
-        *([f"    http-request set-header {PEER_HEADER} %[var(txn.peer)] if {{ var(txn.peer) -m found }}"]
-          if cluster is not None else []),
-        f"    server app unix@{layout.app_socket}",
-        "",
-    ])
+    ]
+
+
+def _to_node(layout: HaproxyLayout) -> list[str]:
+    """A gateway: the node that runs the sandbox, and that node's listener address."""
+    return [
+        f"    http-request set-var(txn.node) var(txn.sid),map({layout.routes_map}) if {{ var(txn.sid) -m found }}",
+        f"    http-request set-var(txn.dst) var(txn.node),map({layout.nodes_map}) if {{ var(txn.node) -m found }}",
+        "    acl routed var(txn.dst) -m found",
+        "    use_backend node_hop if routed port_ok port_ok_range",
+    ]
 
 
 def _peer_rules(cluster: ClusterListener | None) -> list[str]:
@@ -192,6 +251,7 @@ def _sandbox_backend(name: str) -> list[str]:
         "    http-request del-header x-api-key",
         "    http-request del-header e2b-traffic-access-token",
         "    http-request del-header x-agentenv-host-token",
+        f"    http-request del-header {SCHEME_HEADER}",
         r"    http-request del-header authorization if { req.hdr(authorization) -m reg -i ^(bearer\s+)?e2b_[0-9a-f]+\s*$ }",
         # HAProxy's own errors as the JSON bodies the SDKs key on ("port is not open", ...).
         "    http-error status 503 content-type application/json hdr x-agentenv-error 1 lf-string "
@@ -203,5 +263,30 @@ def _sandbox_backend(name: str) -> list[str]:
         "    http-after-response set-status 502 reason 'Bad Gateway' if { status 503 } { res.hdr(x-agentenv-error) -m found }",
         "    http-after-response del-header x-agentenv-error",
         "    server sandbox 0.0.0.0:0 pool-purge-delay 1s",
+        "",
+    ]
+
+
+def _node_backend(hop: NodeHop) -> list[str]:
+    tls = (f" ssl verify required ca-file {hop.ca} crt {hop.pem} sni var(txn.dst),field(3,/)"
+           if hop.pem is not None and hop.ca is not None else "")
+    return [
+        "backend node_hop",
+        "    http-reuse always",
+        "    retries 2",
+        "    retry-on conn-failure empty-response",
+        "    http-request set-dst var(txn.dst),field(1,/)",
+        "    http-request set-dst-port var(txn.dst),field(2,/)",
+        # The node answers a request for a sandbox it no longer runs (paused, moved, killed) itself.
+        "    http-error status 503 content-type application/json hdr x-agentenv-error 1 lf-string "
+        + _q('{"sandboxId":"%[var(txn.sid)]","message":"The node of the sandbox is not responding; retry later",'
+             '"code":502}'),
+        "    http-error status 502 content-type application/json hdr x-agentenv-error 1 lf-string "
+        + _error_body("The connection to the sandbox closed before a response was received"),
+        "    http-error status 504 content-type application/json hdr x-agentenv-error 1 lf-string "
+        + _error_body("The sandbox did not answer in time"),
+        "    http-after-response set-status 502 reason 'Bad Gateway' if { status 503 } { res.hdr(x-agentenv-error) -m found }",
+        "    http-after-response del-header x-agentenv-error",
+        f"    server node 0.0.0.0:0{tls} pool-purge-delay 1s",
         "",
     ]

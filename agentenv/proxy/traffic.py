@@ -196,6 +196,8 @@ def _connection_tokens(headers: CIMultiDictProxy[str]) -> set[str]:
 class TrafficProxy:
     """Reverse proxy for sandbox traffic. Create once per listener; `close()` on shutdown."""
 
+    strip_request: frozenset[str] = _STRIP_REQUEST  # request headers never sent on
+
     def __init__(
         self,
         resolver: SandboxResolver,
@@ -373,7 +375,7 @@ class TrafficProxy:
 
     def _upstream_headers(self, request: web.BaseRequest, target: _Target, *,
                           websocket: bool = False) -> CIMultiDict[str]:
-        drop = _connection_tokens(request.headers) | _STRIP_REQUEST
+        drop = _connection_tokens(request.headers) | self.strip_request
         if websocket:
             drop |= _WS_HANDSHAKE
         headers = CIMultiDict(

@@ -11,6 +11,7 @@ import shutil
 import socket
 import ssl
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -87,3 +88,98 @@ def test_a_renewed_node_certificate_is_served_without_a_restart(cluster):
     assert "cluster certificate reloaded into haproxy" in node.log_tail(400)
     r = cluster.pki.request("GET", f"{node.url}/internal/status", timeout=10)
     assert r.status_code == 200 and r.json()["node_id"] == "a"
+
+
+# ---------------------------------------------------------------------- the gateway's data plane
+
+APP_PORT = 8000
+TESTS = Path(__file__).parent.parent
+
+
+def hop_answers(data_dir: Path, gateway) -> int:
+    """2xx answers the node_hop backend of a gateway's HAProxy gave (its runtime API)."""
+    base = data_dir / "gateway-haproxy" / gateway.url.rsplit(":", 1)[1]
+    stats = asyncio.run(backend_stats_of(RuntimeApi(sock_dir_for(base) / "admin.sock"), "node_hop"))
+    return stats["hrsp_2xx"]
+
+
+async def backend_stats_of(api: RuntimeApi, backend: str) -> dict[str, int]:
+    lines = "\n".join(await api.run(["show stat"])).splitlines()
+    cols = lines[0][2:].split(",")
+    for line in lines[1:]:
+        row = dict(zip(cols, line.split(",")))
+        if row.get("pxname") == backend and row.get("svname") == "BACKEND":
+            return {k: int(row.get(k) or 0) for k in ("hrsp_2xx", "hrsp_4xx", "hrsp_5xx")}
+    raise AssertionError(f"no backend {backend} in haproxy's statistics")
+
+
+def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, tmp_path):
+    """A gateway's sandbox traffic goes from its HAProxy straight to the sandbox's node (mutual TLS,
+    the node verified by its id); a private sandbox's token is checked on the node for traffic
+    through either kind of gateway (HAProxy's hop, or the Python hop that now passes the token on);
+    a killed sandbox's route is gone at once; a renewed gateway certificate reaches the hop."""
+    if shutil.which("haproxy") is None:
+        pytest.skip("haproxy is not installed (apt-get install haproxy): gateways use the Python proxy")
+    hp_dir, py_dir = tmp_path / "gw-haproxy", tmp_path / "gw-python"
+    gw = cluster.start_gateway({"AGENTENV_DATA_DIR": str(hp_dir)})
+    py_gw = cluster.start_gateway({"AGENTENV_DATA_DIR": str(py_dir), "AGENTENV_DATA_PLANE": "python"})
+    sbx = None
+    try:
+        assert "data plane: haproxy" in gw.log_path.read_text()
+        assert "data plane: the gateway's Python proxy" in py_gw.log_path.read_text()
+        sbx = Sandbox.create(timeout=300, network={"allow_public_traffic": False}, **cluster.sdk_opts())
+        token = sbx.traffic_access_token
+        assert token
+        sbx.files.write("/home/user/app.py", (TESTS / "proxy" / "sandbox_app.py").read_text())
+        sbx.commands.run(f"setsid nohup python3 /home/user/app.py {APP_PORT} >/tmp/app.log 2>&1 </dev/null &")
+        route = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(APP_PORT)}
+        deadline = time.monotonic() + 60
+        while requests.get(f"{gw.url}/hello", headers={**route, "E2b-Traffic-Access-Token": token},
+                           timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, sbx.commands.run("cat /tmp/app.log").stdout
+            time.sleep(0.2)
+        time.sleep(1.5)  # the gateway's routes refresh (1 s): the sandbox is on its fast path now
+
+        before = hop_answers(hp_dir, gw)
+        for g in (gw, py_gw):
+            r = requests.get(f"{g.url}/hello", headers=route, timeout=30)
+            assert r.status_code == 403 and "Missing" in r.json()["message"], (g.url, r.status_code, r.text)
+            r = requests.get(f"{g.url}/hello", headers={**route, "E2b-Traffic-Access-Token": "wrong"}, timeout=30)
+            assert r.status_code == 403 and "Invalid" in r.json()["message"], (g.url, r.status_code, r.text)
+            for i in range(5):
+                r = requests.get(f"{g.url}/hello?n={i}", headers={**route, "E2b-Traffic-Access-Token": token},
+                                 timeout=30)
+                assert r.status_code == 200 and r.json()["path"] == f"/hello?n={i}", (g.url, r.status_code, r.text)
+        # the HAProxy gateway's five went over its hop; the Python gateway has no HAProxy
+        assert hop_answers(hp_dir, gw) - before >= 5
+        sdk = Sandbox.connect(sbx.sandbox_id, api_key=cluster.api_key, api_url=gw.url, sandbox_url=gw.url)
+        assert sdk.commands.run("echo via-haproxy-hop").stdout == "via-haproxy-hop\n"
+
+        # a sandbox killed through the gateway leaves its routes before its node hears of it
+        Sandbox.kill(sbx.sandbox_id, api_key=cluster.api_key, api_url=gw.url)
+        killed, sbx = sbx.sandbox_id, None
+        r = requests.get(f"{gw.url}/hello", headers={**route, "E2b-Traffic-Access-Token": token}, timeout=30)
+        assert r.status_code == 502 and r.json()["sandboxId"] == killed, r.text
+
+        # a renewed gateway certificate reaches HAProxy's hop without a restart (reload round: 30 s)
+        cluster.pki.issue("gateway", "gateway")
+        deadline = time.monotonic() + 75
+        while "cluster certificate reloaded into haproxy" not in gw.log_path.read_text():
+            assert time.monotonic() < deadline, gw.log_path.read_text()[-3000:]
+            time.sleep(1)
+        other = Sandbox.create(timeout=120, **cluster.sdk_opts())
+        try:
+            box = Sandbox.connect(other.sandbox_id, api_key=cluster.api_key, api_url=gw.url, sandbox_url=gw.url)
+            time.sleep(1.5)
+            before = hop_answers(hp_dir, gw)
+            assert box.commands.run("echo renewed").stdout == "renewed\n"
+            assert hop_answers(hp_dir, gw) > before
+        finally:
+            other.kill()
+        assert gw.proc.poll() is None
+    finally:
+        if sbx is not None:
+            sbx.kill()
+        gw.stop()
+        py_gw.stop()
+    assert not (hp_dir / "gateway-haproxy").exists() or not any((hp_dir / "gateway-haproxy").iterdir())

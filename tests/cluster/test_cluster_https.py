@@ -1,7 +1,7 @@
 """HTTPS at a cluster gateway: `E2B_DOMAIN` against the cluster, names resolved through real DNS.
 
 A gateway replica serves HTTPS on <addr>:443 with AGENTENV_DOMAIN=<domain> and the local CA it
-creates on first start (`cluster/gateway_https.py`); dnsmasq on <addr>:53 answers every name under
+creates on first start (its HAProxy, `cluster/gateway_dataplane.py`, with HTTP/2); dnsmasq on <addr>:53 answers every name under
 <domain> with <addr> (tests/dns_resolver.py). The Python SDK, with E2B_DOMAIN and no E2B_API_URL /
 E2B_SANDBOX_URL, creates a sandbox through it (placed on a node by the scheduler) and runs
 commands, files, a watch and a PTY over TLS, and so does the npm SDK; `get_host()` and the signed
@@ -112,6 +112,9 @@ def test_gateway_serves_e2b_domain_over_https(cluster, tmp_path: Path) -> None:
         headers = {k.lower(): v for k, v in hello["headers"]}
         assert hello["path"] == "/hello?via=curl"
         assert headers["x-forwarded-proto"] == "https" and headers["host"] == out["host"]
+        # HTTP/2 where the client offers it (ALPN), on the gateway's HAProxy
+        r = curl("-o", "/dev/null", "-w", "%{http_version}", "--http2", f"https://{out['host']}/hello?via=h2")
+        assert r.returncode == 0 and r.stdout == "2", (r.stdout, r.stderr)
 
         # ---- signed URLs with plain curl; a forged signature is refused
         r = curl("-f", out["download_url"])

@@ -284,3 +284,22 @@ def test_a_renewed_certificate_is_served_without_a_restart(tls_env) -> None:
     r = curl(resolver, ca, "-o", "/dev/null", "-w", "%{http_code}", f"https://api.{resolver.domain}/health")
     assert r.stdout == "200", r.stderr
     assert "TLS certificate reloaded" in srv.log_path.read_text()
+
+
+def test_template_upload_link_over_https_is_https(tls_env) -> None:
+    """The upload link of a template's COPY files, asked for over HTTPS (TLS ends in HAProxy, the
+    server behind it is reached over a unix socket), is an https:// link to the same host."""
+    srv, resolver, ca = tls_env
+    api = f"https://api.{resolver.domain}"
+    auth = ("-H", f"X-API-KEY: {srv.api_key}", "-H", "Content-Type: application/json")
+    r = curl(resolver, ca, "-f", *auth, "-d", json.dumps({"name": f"scheme-{secrets.token_hex(4)}"}),
+             f"{api}/v3/templates")
+    assert r.returncode == 0, r.stderr + r.stdout
+    template_id = json.loads(r.stdout)["templateID"]
+    try:
+        r = curl(resolver, ca, "-f", *auth, f"{api}/templates/{template_id}/files/{'ab' * 32}")
+        assert r.returncode == 0, r.stderr + r.stdout
+        url = json.loads(r.stdout)["url"]
+        assert url.startswith(f"{api}/template-files/{'ab' * 32}?"), url
+    finally:
+        curl(resolver, ca, *auth, "-X", "DELETE", f"{api}/templates/{template_id}")
