@@ -152,11 +152,22 @@ async def start_haproxy(settings: Settings, chosen, c: Components, runner: web.A
                          source=None, cluster=None):
     """HAProxy owns the public listeners; the Python server answers it on a unix socket.
     `source`, `cluster`: a cluster node's routes and listener (`dataplane.make`)."""
-    from agentenv.errors import AgentEnvError
     from agentenv.proxy import dataplane
 
     dp = dataplane.make(settings, chosen, c.orchestrator, source=source, cluster=cluster)
     dataplane.attach(dp, c.orchestrator)
+    site = await start_behind(settings, dp, runner)
+    c.data_plane = dp
+    if c.observability is not None:
+        c.observability.scrape_hooks.append(dataplane.metrics_hook(dp, c.observability.metrics))
+    return site, dp
+
+
+async def start_behind(settings: Settings, dp, runner: web.AppRunner) -> web.UnixSite:
+    """The server's unix socket, then the HAProxy in front of it (`serve`, a node, a gateway);
+    a HAProxy that does not start is a StartupError, with nothing left running."""
+    from agentenv.errors import AgentEnvError
+
     sock = dp.layout.app_socket
     sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     sock.unlink(missing_ok=True)
@@ -171,10 +182,7 @@ async def start_haproxy(settings: Settings, chosen, c: Components, runner: web.A
         raise StartupError(f"cannot listen on {where}: the data plane (haproxy) did not start: {e} "
                            "(a port in use? set AGENTENV_PORT / --port; AGENTENV_DATA_PLANE=python serves "
                            "without haproxy)") from e
-    c.data_plane = dp
-    if c.observability is not None:
-        c.observability.scrape_hooks.append(dataplane.metrics_hook(dp, c.observability.metrics))
-    return site, dp
+    return site
 
 
 class StartupError(Exception):

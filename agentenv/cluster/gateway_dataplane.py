@@ -196,7 +196,7 @@ class GatewayDataPlane:
 
     async def start(self, runner: web.AppRunner) -> web.BaseSite:
         from agentenv.cluster import tls
-        from agentenv.server import StartupError, on_signals
+        from agentenv.server import on_signals, start_behind
 
         self.layout.dir.mkdir(parents=True, exist_ok=True)
         if self._hop.pem is not None:
@@ -209,20 +209,7 @@ class GatewayDataPlane:
         self.routes.owner = owner
         self.nodes.have = addresses
         self.nodes.write_file()
-        sock = self.layout.app_socket
-        sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        sock.unlink(missing_ok=True)
-        site = web.UnixSite(runner, str(sock))
-        await site.start()
-        try:
-            await self.dp.start()
-        except (Exception, asyncio.CancelledError) as e:
-            await self.dp.stop()
-            await site.stop()
-            where = f"{self._settings.host}:{self._settings.port}" + (
-                f" / {self._settings.https_bind}" if self._settings.https_bind else "")
-            raise StartupError(f"cannot listen on {where}: the data plane (haproxy) did not start: {e} "
-                               "(a port in use? AGENTENV_DATA_PLANE=python serves without haproxy)") from e
+        site = await start_behind(self._settings, self.dp, runner)
         self._task = asyncio.create_task(self._run(), name="gateway-routes")
         if self._chosen.tls is not None:
             self._watch = dataplane.CertificateWatch(self._settings, self.dp.install_certificate, self._chosen.tls.pem)

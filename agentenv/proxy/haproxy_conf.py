@@ -254,16 +254,23 @@ def _sandbox_backend(name: str) -> list[str]:
         f"    http-request del-header {SCHEME_HEADER}",
         r"    http-request del-header authorization if { req.hdr(authorization) -m reg -i ^(bearer\s+)?e2b_[0-9a-f]+\s*$ }",
         # HAProxy's own errors as the JSON bodies the SDKs key on ("port is not open", ...).
+        *_json_errors("The sandbox is running but port is not open"),
+        "    server sandbox 0.0.0.0:0 pool-purge-delay 1s",
+        "",
+    ]
+
+
+def _json_errors(unreachable: str) -> list[str]:
+    """HAProxy's own errors as JSON bodies, all 502 (`unreachable`: when it could not connect)."""
+    return [
         "    http-error status 503 content-type application/json hdr x-agentenv-error 1 lf-string "
-        + _error_body("The sandbox is running but port is not open"),
+        + _error_body(unreachable),
         "    http-error status 502 content-type application/json hdr x-agentenv-error 1 lf-string "
         + _error_body("The connection to the sandbox closed before a response was received"),
         "    http-error status 504 content-type application/json hdr x-agentenv-error 1 lf-string "
         + _error_body("The sandbox did not answer in time"),
         "    http-after-response set-status 502 reason 'Bad Gateway' if { status 503 } { res.hdr(x-agentenv-error) -m found }",
         "    http-after-response del-header x-agentenv-error",
-        "    server sandbox 0.0.0.0:0 pool-purge-delay 1s",
-        "",
     ]
 
 
@@ -277,16 +284,9 @@ def _node_backend(hop: NodeHop) -> list[str]:
         "    retry-on conn-failure empty-response",
         "    http-request set-dst var(txn.dst),field(1,/)",
         "    http-request set-dst-port var(txn.dst),field(2,/)",
-        # The node answers a request for a sandbox it no longer runs (paused, moved, killed) itself.
-        "    http-error status 503 content-type application/json hdr x-agentenv-error 1 lf-string "
-        + _q('{"sandboxId":"%[var(txn.sid)]","message":"The node of the sandbox is not responding; retry later",'
-             '"code":502}'),
-        "    http-error status 502 content-type application/json hdr x-agentenv-error 1 lf-string "
-        + _error_body("The connection to the sandbox closed before a response was received"),
-        "    http-error status 504 content-type application/json hdr x-agentenv-error 1 lf-string "
-        + _error_body("The sandbox did not answer in time"),
-        "    http-after-response set-status 502 reason 'Bad Gateway' if { status 503 } { res.hdr(x-agentenv-error) -m found }",
-        "    http-after-response del-header x-agentenv-error",
+        # The node answers a request for a sandbox it no longer runs (paused, moved, killed) itself;
+        # HAProxy answers for a node it cannot reach.
+        *_json_errors("The node of the sandbox is not responding; retry later"),
         f"    server node 0.0.0.0:0{tls} pool-purge-delay 1s",
         "",
     ]
