@@ -28,3 +28,8 @@ DEFAULT_HOME = "/home/user"
 
 # E2B returns a constant clientID; the SDKs require the field but ignore it.
 CLIENT_ID = "6532622b"
+
+# Every sandbox's processes live in a cgroup under this parent, in the cgroupfs mounted here (one
+# tree for cgroup v2, one per controller for v1): the runtimes place them, the sampler reads them.
+CGROUP_ROOT = "/sys/fs/cgroup"
+CGROUP_PARENT = "agentenv"

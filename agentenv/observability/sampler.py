@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.constants import CGROUP_PARENT, CGROUP_ROOT
+
 log = logging.getLogger("agentenv.observability.sampler")
 
-CGROUP_FS = Path("/sys/fs/cgroup")
-CGROUP_PARENT = "agentenv"
+CGROUP_FS = Path(CGROUP_ROOT)
 DISK_EVERY = 5
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from agentenv import constants
 from agentenv.config import Settings
+from agentenv.constants import CGROUP_PARENT, CGROUP_ROOT
 from agentenv.errors import CaptureRefused, RuntimeFailure
 from agentenv.proc import CmdResult, run_cmd
 from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
@@ -53,8 +54,7 @@ CHECKPOINT_TIMEOUT = 300.0
 SHORT_TIMEOUT = 20.0
 # After the connection-resetting checkpoint, time for the sandbox's programs to see the resets.
 RESET_SETTLE_S = 0.1
-CGROUP_PARENT = "agentenv"
-CGROUP_FS = Path("/sys/fs/cgroup")
+CGROUP_FS = Path(CGROUP_ROOT)
 CPU_PERIOD_US = 100_000
 CONSOLE_LOG = "console.log"  # runsc + sandbox stdout/stderr, in the bundle dir
 IMAGE_INFO = "agentenv-runsc.json"  # in each memory image: the runsc release and platform that wrote it
