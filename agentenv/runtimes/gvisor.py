@@ -41,10 +41,12 @@ from typing import Any
 
 from agentenv import constants
 from agentenv.config import Settings
-from agentenv.constants import CGROUP_PARENT, CGROUP_ROOT
+from agentenv.constants import CGROUP_PARENT
 from agentenv.errors import CaptureRefused, RuntimeFailure
 from agentenv.proc import CmdResult, run_cmd
 from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
+from agentenv.runtimes import cgroups
+from agentenv.runtimes.cgroups import CGROUP_FS, weigh_sandboxes_cpu
 from agentenv.runtimes.gvisor_platform import MIN_RELEASE, PlatformChoice, choose_platform, default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,6 @@ CHECKPOINT_TIMEOUT = 300.0
 SHORT_TIMEOUT = 20.0
 # After the connection-resetting checkpoint, time for the sandbox's programs to see the resets.
 RESET_SETTLE_S = 0.1
-CGROUP_FS = Path(CGROUP_ROOT)
 CPU_PERIOD_US = 100_000
 CONSOLE_LOG = "console.log"  # runsc + sandbox stdout/stderr, in the bundle dir
 IMAGE_INFO = "agentenv-runsc.json"  # in each memory image: the runsc release and platform that wrote it
@@ -184,38 +185,6 @@ def raise_memory_limit(spec: SandboxSpec) -> None:
         f = base / name
         if f.exists():
             f.write_text(limit)
-
-
-def weigh_sandboxes_cpu(weight: int) -> str | None:
-    """Give the parent cgroup of every sandbox (`/agentenv`, created here if runsc has not yet) a CPU
-    weight of `weight` (cgroup v2 `cpu.weight`; v1 `cpu.shares` = weight × 1024 / 100). Returns what
-    was written, or None (0: left alone; no writable cgroup fs). Sandboxes keep their own CPU quota
-    below it; the weight only decides who runs first when the host's CPU is saturated.
-
-    Measured on a 2-core host at 48 busy sandboxes (the cluster load test), a node agent's main thread
-    over 8 s: at the kernel's default weight it ran 0.11 s and waited 2.9 s on the run queue (its
-    heartbeats took seconds and nodes fenced themselves); at weight 5 it waited 0.14-0.33 s."""
-    if weight <= 0:
-        return None
-    try:
-        if (CGROUP_FS / "cpu" / "cpu.shares").exists():  # v1
-            d = CGROUP_FS / "cpu" / CGROUP_PARENT
-            d.mkdir(exist_ok=True)
-            value, name = str(max(2, weight * 1024 // 100)), "cpu.shares"
-        elif (CGROUP_FS / "cgroup.controllers").exists():  # v2
-            d = CGROUP_FS / CGROUP_PARENT
-            d.mkdir(exist_ok=True)
-            if not (d / "cpu.weight").exists():  # the cpu controller is not on for the root's children
-                (CGROUP_FS / "cgroup.subtree_control").write_text("+cpu")
-            value, name = str(min(10000, weight)), "cpu.weight"
-        else:
-            return None
-        (d / name).write_text(value)
-        return f"{d / name} = {value}"
-    except OSError as e:
-        log.warning("could not set the sandboxes' CPU weight (%s); under a saturated CPU the node's own "
-                    "processes compete with them as equals: %s", CGROUP_FS / CGROUP_PARENT, e)
-        return None
 
 
 class GVisorRuntime:
@@ -498,7 +467,7 @@ class GVisorRuntime:
             res = await self._runsc("delete", "--force", sandbox_id, check=False)
             if res.returncode != 0 and await self._state(sandbox_id) is not None:
                 raise RuntimeFailure(f"runsc delete {sandbox_id} failed: {res.stderr.strip()[-1000:]}")
-        await self._remove_cgroups(sandbox_id)
+        await cgroups.remove(sandbox_id)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Stop our containers not in `keep` and remove empty agentenv cgroups left by failed creates.
@@ -527,25 +496,6 @@ class GVisorRuntime:
             if sid not in removed:
                 removed.append(sid)
         return removed
-
-    async def _remove_cgroups(self, sandbox_id: str) -> None:
-        dirs = glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
-            glob.glob(str(CGROUP_FS / CGROUP_PARENT / sandbox_id))
-        deadline = time.monotonic() + 5.0
-        for d in dirs:
-            while True:
-                try:
-                    # Children first (runsc may create nested groups); rmdir only works on empty groups.
-                    for sub in sorted((p for p in Path(d).rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                        os.rmdir(sub)
-                    os.rmdir(d)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError as e:  # EBUSY while the last sandbox processes exit
-                    if time.monotonic() > deadline:
-                        raise RuntimeFailure(f"cannot remove cgroup {d}: {e}") from e
-                    await asyncio.sleep(0.05)
 
     async def is_alive(self, sandbox_id: str) -> bool:
         st = await self._state(sandbox_id)

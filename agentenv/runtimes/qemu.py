@@ -39,6 +39,7 @@ from typing import Any
 from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure
 from agentenv.proc import run_cmd
+from agentenv.runtimes import cgroups
 from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
 from agentenv.storage import guest
 from agentenv.storage.artifacts import REQUIRES_FILE, ArtifactCache, drive_path
@@ -267,6 +268,9 @@ class QemuRuntime:
             if proc.returncode is not None or time.monotonic() > deadline:
                 raise RuntimeFailure(f"qemu did not start (rc={proc.returncode}): {_tail(b / QEMU_LOG)}")
             await asyncio.sleep(0.01)
+        pid = self._pid(spec.sandbox_id)
+        if pid is not None:  # the VM weighs what every sandbox weighs under a saturated CPU
+            cgroups.place(spec.sandbox_id, pid, self.settings.sandbox_cpu_weight)
         await self.qmp(spec.sandbox_id, "migrate-set-capabilities",
                        {"capabilities": [{"capability": "x-ignore-shared", "state": True}]})
 
@@ -517,6 +521,7 @@ class QemuRuntime:
     async def stop(self, sandbox_id: str) -> None:
         await self._kill(sandbox_id)
         self._qmp_locks.pop(sandbox_id, None)
+        await cgroups.remove(sandbox_id)
         b = self._bundle(sandbox_id)
         for f in ("qmp.sock", "qemu.pid"):
             try:
