@@ -21,7 +21,6 @@ hop's two-second route cache did.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 import re
@@ -225,14 +224,17 @@ class GatewayDataPlane:
         return site
 
     async def stop(self) -> None:
+        """HAProxy first (it owns the listeners), then the rest: a refresh cut off in the middle of a
+        store query must not keep the gateway from stopping (bounded wait)."""
+        await self.dp.stop()
+        shutil.rmtree(self.layout.dir, ignore_errors=True)  # config, maps and a copy of the key
         if self._watch is not None:
             await self._watch.stop()
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
-        await self.dp.stop()
-        shutil.rmtree(self.layout.dir, ignore_errors=True)  # config, maps and a copy of the key
+            _, pending = await asyncio.wait({self._task}, timeout=5)
+            if pending:
+                log.warning("gateway routes: the refresh did not stop within 5 s")
 
 
 def listener(settings: Settings, orch: Any, reloader: Any = None):
