@@ -99,7 +99,10 @@ class NodeScopedStore:
             return
         fresh = self._factory()
         try:
-            await fresh.open()
+            # No migration check (the node migrated at its start): it takes a database-wide lock and
+            # runs inside a heartbeat attempt of one interval, which a slow check under load would
+            # outlast every time, leaving a healed node unable to rejoin.
+            await fresh.open(upgrade=False)
         except BaseException:
             asyncio.get_running_loop().create_task(_close_quietly(fresh))
             raise
