@@ -99,10 +99,7 @@ class NodeScopedStore:
             return
         fresh = self._factory()
         try:
-            # No migration check (the node migrated at its start): it takes a database-wide lock and
-            # runs inside a heartbeat attempt of one interval, which a slow check under load would
-            # outlast every time, leaving a healed node unable to rejoin.
-            await fresh.open(upgrade=False)
+            await fresh.open()
         except BaseException:
             asyncio.get_running_loop().create_task(_close_quietly(fresh))
             raise
