@@ -244,20 +244,15 @@ def haproxy_user_answers(data_dir: Path) -> int | None:
 
 def gateway_hop_answers(gateway_data_dir: Path, port: str) -> int | None:
     """Answers a cluster gateway's HAProxy relayed from nodes on its fast path (its node_hop backend)."""
-    from agentenv.proxy.haproxy import RuntimeApi, sock_dir_for
+    from agentenv.proxy.haproxy import RuntimeApi, backend_stats, sock_dir_for
 
     try:
-        out = asyncio.run(RuntimeApi(sock_dir_for(gateway_data_dir / "gateway-haproxy" / port) / "admin.sock")
-                          .run(["show stat"]))
+        stats = asyncio.run(backend_stats(RuntimeApi(sock_dir_for(gateway_data_dir / "gateway-haproxy" / port)
+                                                     / "admin.sock"), ("node_hop",)))
     except OSError:
         return None
-    lines = "\n".join(out).splitlines()
-    cols = lines[0][2:].split(",") if lines else []
-    for line in lines[1:]:
-        row = dict(zip(cols, line.split(",")))
-        if row.get("pxname") == "node_hop" and row.get("svname") == "BACKEND":
-            return sum(int(row.get(f"hrsp_{k}xx") or 0) for k in range(1, 6))
-    return None
+    hop = stats.get("node_hop")
+    return sum(hop[f"hrsp_{k}xx"] for k in range(1, 6)) if hop else None
 
 
 def haproxy_pids(data_dir: Path) -> list[int]:

@@ -232,8 +232,9 @@ class RouteTable:
                 await asyncio.sleep(0.2)
 
 
-async def backend_stats(api: RuntimeApi) -> dict[str, dict[str, int]]:
-    """Counters of the sandbox backends (`show stat`): responses by class, bytes in and out."""
+async def backend_stats(api: RuntimeApi, backends=SANDBOX_BACKENDS) -> dict[str, dict[str, int]]:
+    """Counters of `backends` (default: the sandbox backends; a gateway's is `node_hop`) from
+    `show stat`: responses by class, bytes in and out."""
     out = await api.run(["show stat"])
     lines = "\n".join(out).splitlines()
     if not lines or not lines[0].startswith("# "):
@@ -242,7 +243,7 @@ async def backend_stats(api: RuntimeApi) -> dict[str, dict[str, int]]:
     stats: dict[str, dict[str, int]] = {}
     for line in lines[1:]:
         row = dict(zip(cols, line.split(",")))
-        if row.get("svname") == "BACKEND" and row.get("pxname") in SANDBOX_BACKENDS:
+        if row.get("svname") == "BACKEND" and row.get("pxname") in backends:
             stats[row["pxname"]] = {k: int(row.get(k) or 0) for k in (
                 "hrsp_1xx", "hrsp_2xx", "hrsp_3xx", "hrsp_4xx", "hrsp_5xx", "bin", "bout")}
     return stats

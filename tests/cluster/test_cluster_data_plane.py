@@ -99,18 +99,9 @@ TESTS = Path(__file__).parent.parent
 def hop_answers(data_dir: Path, gateway) -> int:
     """2xx answers the node_hop backend of a gateway's HAProxy gave (its runtime API)."""
     base = data_dir / "gateway-haproxy" / gateway.url.rsplit(":", 1)[1]
-    stats = asyncio.run(backend_stats_of(RuntimeApi(sock_dir_for(base) / "admin.sock"), "node_hop"))
-    return stats["hrsp_2xx"]
-
-
-async def backend_stats_of(api: RuntimeApi, backend: str) -> dict[str, int]:
-    lines = "\n".join(await api.run(["show stat"])).splitlines()
-    cols = lines[0][2:].split(",")
-    for line in lines[1:]:
-        row = dict(zip(cols, line.split(",")))
-        if row.get("pxname") == backend and row.get("svname") == "BACKEND":
-            return {k: int(row.get(k) or 0) for k in ("hrsp_2xx", "hrsp_4xx", "hrsp_5xx")}
-    raise AssertionError(f"no backend {backend} in haproxy's statistics")
+    stats = asyncio.run(backend_stats(RuntimeApi(sock_dir_for(base) / "admin.sock"), ("node_hop",)))
+    assert "node_hop" in stats, f"no node_hop backend in haproxy's statistics: {stats}"
+    return stats["node_hop"]["hrsp_2xx"]
 
 
 def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, tmp_path):
