@@ -221,6 +221,11 @@ class Settings(BaseSettings):
     # snapshot store (any node resumes them) before it exits, instead of killing them.
     drain_on_stop: bool = True
     drain_timeout_s: float = Field(default=240.0, gt=0)
+    # How long a stopping server or cluster role lets requests in flight finish once its listener
+    # closed, before it cuts them. Streams (`/events`, command output, logs, proxied WebSockets) count
+    # as requests in flight, so this bounds every stop (aiohttp's own default, 60 s, was spent twice:
+    # a gateway tailing a node's events outlived a 30 s stop deadline).
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
     # Scheduler: sandbox starts in flight per node (starting is the CPU-heavy part of a sandbox's life;
     # more at once only makes every one of them slower).
     max_starting_per_node: int = Field(default=4, ge=1)

@@ -232,8 +232,12 @@ class StopSignal:
     kill the process half-started and leave its sandboxes, mounts and helpers behind."""
 
     def __init__(self) -> None:
+        from agentenv.observability import taskdump
+
         self.event = asyncio.Event()
         on_signals((signal.SIGINT, signal.SIGTERM), self.event.set)
+        loop = asyncio.get_running_loop()  # SIGUSR1: what every task waits on, in the log
+        on_signals((signal.SIGUSR1,), lambda: taskdump.dump_tasks(loop))
 
     async def wait(self) -> None:
         await self.event.wait()
@@ -287,7 +291,8 @@ async def serve(settings: Settings, *, progress=None) -> None:
         if c.observability is not None:
             await c.observability.start()
 
-        runner = web.AppRunner(make_app(c), access_log=None, handle_signals=False, **LISTENER_OPTIONS)
+        runner = web.AppRunner(make_app(c), access_log=None, handle_signals=False,
+                               shutdown_timeout=settings.shutdown_grace_s, **LISTENER_OPTIONS)
         await runner.setup()
         if chosen.haproxy is not None:
             site, data_plane = await start_haproxy(settings, chosen, c, runner)

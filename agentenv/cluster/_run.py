@@ -37,14 +37,18 @@ def start_role(settings, role: str):
 Listen = Callable[[web.AppRunner], Awaitable[tuple[web.BaseSite, Callable[[], Awaitable[None]] | None]]]
 
 
-async def run_app(app: web.Application, host: str, port: int, *, on_started: Callable[[], Awaitable[None]] | None = None,
-                  ssl_context=None, listen: Listen | None = None, **runner_options) -> None:
+async def run_app(app: web.Application, host: str, port: int, *, grace_s: float,
+                  on_started: Callable[[], Awaitable[None]] | None = None, ssl_context=None,
+                  listen: Listen | None = None, **runner_options) -> None:
     """`listen`: opens the app's listener(s) itself (a node's HAProxy data plane in front of a unix
-    socket) and returns the site and what stops the rest; default: a TCP listener on host:port."""
+    socket) and returns the site and what stops the rest; default: a TCP listener on host:port.
+    `grace_s`: how long requests in flight (streams included) may go on once the listener closed
+    (`Settings.shutdown_grace_s`)."""
     from agentenv.server import StartupError, StopSignal
 
     stop = StopSignal()  # before anything starts: a signal during startup still stops in order
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, **runner_options)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=grace_s,
+                           **runner_options)
     await runner.setup()
     site: web.BaseSite | None = None
     stop_listener: Callable[[], Awaitable[None]] | None = None

@@ -55,6 +55,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentenv.cluster.fence")
 
 FENCED_MARKER = "fenced-pause"
+# How long a fresh connection to the state store may take to open. It runs beside the heartbeats,
+# not inside one: a heartbeat attempt gets one interval, and a reconnect cancelled with every
+# attempt that ran out (pool, migration check, first connection on a loaded host) never finished.
+RECONNECT_TIMEOUT_S = 30.0
 
 
 class Fence:
@@ -71,6 +75,7 @@ class Fence:
         self._local_only: set[str] = set()  # paused by the fence, not yet uploaded
         self._store_suspect = False  # its connections were cut (fence): reconnect before the next heartbeat
         self._store_failing_since: float | None = None
+        self._reconnecting: asyncio.Task | None = None  # a fresh store opening (`_store_heartbeat`)
         self._holding: asyncio.Task | None = None
         self._monitor: asyncio.Task | None = None
         # Awaited with each running sandbox's id when the node is fenced, after the Python proxy
@@ -132,12 +137,24 @@ class Fence:
         # peer the network lost, for minutes. Start afresh (the old pool closes in the background).
         failing = self._store_failing_since is not None and \
             time.monotonic() - self._store_failing_since > self.fence_after / 2
-        if self._store_suspect or failing:
-            await store.reconnect()
-            self._store_suspect = False
-            if failing:  # the next fresh start only after as long again
-                self._store_failing_since = time.monotonic()
+        if (self._store_suspect or failing) and self._reconnecting is None:
+            self._reconnecting = asyncio.create_task(self._reconnect(failing), name="store-reconnect")
+            self._reconnecting.add_done_callback(self._reconnected)
+        if self._reconnecting is not None:  # this attempt may run out; the reconnect goes on
+            await asyncio.shield(self._reconnecting)
         await store.heartbeat(rec)
+
+    async def _reconnect(self, failing: bool) -> None:
+        await asyncio.wait_for(self.agent.store.reconnect(), RECONNECT_TIMEOUT_S)
+        self._store_suspect = False
+        if failing:  # the next fresh start only after as long again
+            self._store_failing_since = time.monotonic()
+
+    def _reconnected(self, task: asyncio.Task) -> None:
+        self._reconnecting = None
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("reconnecting to the state store failed: %s", str(task.exception()) or
+                        type(task.exception()).__name__)
 
     async def _watch(self) -> None:
         while True:
@@ -162,10 +179,11 @@ class Fence:
             self._holding = asyncio.create_task(self._hold(), name="fenced")
 
     async def stop(self) -> None:
-        for t in (self._monitor, self._holding):
+        for t in (self._monitor, self._holding, self._reconnecting):
             if t is not None:
                 t.cancel()
-        await asyncio.gather(*(t for t in (self._monitor, self._holding) if t is not None), return_exceptions=True)
+        await asyncio.gather(*(t for t in (self._monitor, self._holding, self._reconnecting) if t is not None),
+                             return_exceptions=True)
 
     # ------------------------------------------------------------------ fenced
 

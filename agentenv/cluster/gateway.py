@@ -33,8 +33,11 @@ from agentenv.runtimes import select as runtime_select
 
 log = logging.getLogger("agentenv.cluster.gateway")
 
-# Node answers after which another node is tried for the same create.
 LIST_TIMEOUT_S = 30.0
+# The old node's release of a moved sandbox is best effort (it also notices on its next heartbeat):
+# a node the network lost must not hold the move (and the SDK call behind it) for the client's 600 s.
+RELEASE_TIMEOUT_S = 10.0
+# Node answers after which another node is tried for the same create.
 _RETRY_ELSEWHERE = {"capacity_exhausted", "node_unreachable", "node_fenced"}
 
 
@@ -225,7 +228,8 @@ class ClusterOrchestrator:
                 old = await self._alive(rec.node_id)
                 if old is not None:  # best effort: it also notices on its next heartbeat
                     try:
-                        await self.client.rpc(old.url, "release_sandbox", sandbox_id=rec.sandbox_id)
+                        await self.client.rpc(old.url, "release_sandbox", sandbox_id=rec.sandbox_id,
+                                              timeout_s=RELEASE_TIMEOUT_S)
                     except AgentEnvError as e:
                         log.info("release of %s on %s: %s", rec.sandbox_id, rec.node_id, e.message)
                 log.info("moved paused sandbox %s from %s to %s", rec.sandbox_id, rec.node_id, placed["node_id"])
@@ -494,7 +498,8 @@ async def run_gateway(settings: Settings) -> None:
                 reloader.start()
             _print_banner(settings, api_key, local_ca)
 
-        await run_app(app, settings.host, settings.port, on_started=on_started, listen=listen, **LISTENER_OPTIONS)
+        await run_app(app, settings.host, settings.port, grace_s=settings.shutdown_grace_s, on_started=on_started,
+                      listen=listen, **LISTENER_OPTIONS)
     finally:
         if reloader is not None:
             await reloader.stop()

@@ -87,10 +87,13 @@ class Client:
         if self._session is not None:
             await self._session.close()
 
-    async def post(self, url: str, body: dict[str, Any], *, what: str) -> Any:
-        """POST JSON; a typed error answer is raised as that AgentEnvError, an unreachable peer as 503."""
+    async def post(self, url: str, body: dict[str, Any], *, what: str, timeout: float | None = None) -> Any:
+        """POST JSON; a typed error answer is raised as that AgentEnvError, an unreachable peer as 503.
+        `timeout`: this call's bound instead of the client's (a best-effort call to a peer that may be
+        cut off must not wait for the default)."""
+        kw = {"timeout": aiohttp.ClientTimeout(total=timeout, sock_connect=min(5, timeout))} if timeout else {}
         try:
-            async with self.session.post(url, json=body, headers=self.headers) as resp:
+            async with self.session.post(url, json=body, headers=self.headers, **kw) as resp:
                 data = await resp.json(content_type=None) if resp.content_length != 0 else None
                 if resp.status >= 400:
                     raise codec.error_from(data if isinstance(data, dict) else {"message": str(data)},
@@ -101,6 +104,6 @@ class Client:
             raise Unavailable(f"{what} is unreachable: {e or type(e).__name__}", error_code="node_unreachable",
                               headers={"Retry-After": "2"}) from e
 
-    async def rpc(self, node_url: str, method: str, **kwargs: Any) -> Any:
+    async def rpc(self, node_url: str, method: str, *, timeout_s: float | None = None, **kwargs: Any) -> Any:
         return await self.post(f"{node_url.rstrip('/')}/internal/rpc/{method}", codec.encode(kwargs),
-                               what=f"node {node_url}")
+                               what=f"node {node_url}", timeout=timeout_s)

@@ -376,8 +376,8 @@ async def run_node(settings: Settings, *, progress=None) -> None:
             print(f"agentenv node {settings.node_id} is serving at {agent.url}", flush=True)
 
         listen = _data_plane_listener(settings, c, agent, reloader)
-        await run_app(app, settings.host, settings.port, on_started=on_started, ssl_context=server_ctx,
-                      listen=listen, **LISTENER_OPTIONS)
+        await run_app(app, settings.host, settings.port, grace_s=settings.shutdown_grace_s, on_started=on_started,
+                      ssl_context=server_ctx, listen=listen, **LISTENER_OPTIONS)
     finally:
         log.info("node %s shutting down", settings.node_id)
         if reloader is not None:

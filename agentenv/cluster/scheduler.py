@@ -317,7 +317,8 @@ async def run_scheduler(settings: Settings) -> None:
             scheme = "https" if server_ctx is not None else "http"
             print(f"agentenv scheduler is serving at {scheme}://{settings.host}:{settings.port}", flush=True)
 
-        await run_app(svc.app(), settings.host, settings.port, on_started=on_started, ssl_context=server_ctx)
+        await run_app(svc.app(), settings.host, settings.port, grace_s=settings.shutdown_grace_s, on_started=on_started,
+                      ssl_context=server_ctx)
     finally:
         if reloader is not None:
             await reloader.stop()

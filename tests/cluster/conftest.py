@@ -226,6 +226,25 @@ class Cluster:
     def sdk_opts(self, **kw) -> dict:
         return dict(api_key=self.api_key, api_url=self.gateway.url, sandbox_url=self.gateway.url, **kw)
 
+    def task_dumps(self, tail: int = 8000) -> str:
+        """What every running role's asyncio tasks wait on right now (SIGUSR1, observability/taskdump.py),
+        read back from their logs: for a test that failed on a call that hung."""
+        roles = {"gateway": (self.gateway.proc, self.gateway.log_path),
+                 "scheduler": (self.scheduler.proc, self.scheduler.log_path),
+                 **{f"node {n.name}": (n.proc, n.log_path) for n in self.nodes.values()}}
+        since = {}
+        for name, (proc, path) in roles.items():
+            if proc is not None and proc.poll() is None:
+                since[name] = path.stat().st_size
+                proc.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        out = []
+        for name, offset in since.items():
+            with open(roles[name][1], "rb") as f:
+                f.seek(offset)
+                out.append(f"--- {name}: tasks\n" + f.read().decode(errors="replace")[-tail:])
+        return "\n".join(out)
+
     def node_status(self) -> dict[str, dict]:
         r = self.pki.request("GET", f"{self.scheduler.url}/internal/nodes", timeout=10)
         r.raise_for_status()

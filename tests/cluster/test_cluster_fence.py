@@ -91,6 +91,7 @@ def test_partitioned_node_fences_then_rejoins(cluster):
         on = bindings(cluster)[running.sandbox_id][0]
         assert cluster.nodes[on].sandbox_status(running.sandbox_id) // 100 == 2
     except BaseException:
+        print(cluster.task_dumps())
         for name in ("gateway", "scheduler"):
             print(f"--- {name} log\n" + open(getattr(cluster, name).log_path, errors="replace").read()[-3000:])
         for n in cluster.nodes.values():
