@@ -87,3 +87,47 @@ async def test_a_store_that_never_answers_fences_in_time(tmp_path, database):
             await asyncio.sleep(0.05)
         assert agent.fence.fenced
         assert agent.fence.fenced_at - lapse_from <= stop_by + 0.3, (agent.fence.fenced_at - lapse_from, stop_by)
+
+
+class SlowToOpen(SlowStore):
+    """A store that answers again but takes `open_s` to connect (a loaded host's first connection
+    and migration check after the network came back)."""
+
+    def __init__(self, dsn: str, open_s: float) -> None:
+        super().__init__(dsn, delay=0.0)
+        self.open_s = open_s
+
+    async def open(self, **kw) -> None:
+        await asyncio.sleep(self.open_s)
+        await super().open(**kw)
+
+
+async def test_a_fenced_node_rejoins_when_reconnecting_takes_longer_than_a_heartbeat(tmp_path, database):
+    """Once fenced, each heartbeat attempt has one interval, and the store is reopened first. A reopen
+    slower than that interval used to be cancelled with every attempt, so the node never rejoined
+    although the store was back; the reopen now goes on beside the attempts."""
+    healed = asyncio.Event()
+    opened: list[SlowToOpen] = []
+
+    def factory():
+        store = SlowToOpen(database, open_s=4 * HEARTBEAT_S) if healed.is_set() else SlowStore(database, None)
+        opened.append(store)
+        return store
+
+    async with _running_agent(tmp_path, SlowStore(database, delay=None)) as agent:
+        agent.store._factory = factory
+        deadline = time.monotonic() + 10
+        while not agent.fence.fenced and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert agent.fence.fenced
+        healed.set()
+        deadline = time.monotonic() + 10
+        while agent.fence.fenced and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not agent.fence.fenced, "the node never rejoined although the store answered again"
+        deadline = time.monotonic() + 5  # the next heartbeat writes the node back as active
+        while (rec := await agent.store.inner.get_node("lease-test")).state != "active":
+            assert time.monotonic() < deadline, rec
+            await asyncio.sleep(0.05)
+    for store in opened:
+        await store.close()
