@@ -491,6 +491,7 @@ async def run_gateway(settings: Settings) -> None:
         if data_plane is not None:  # off HAProxy's fast path first, then the Python hop's connections
             orch.on_moved.insert(0, data_plane.forget)
             orch.on_route.append(data_plane.noted)
+            events.listeners.append(data_plane.on_node_event)
 
         async def on_started() -> None:
             tailer.start()

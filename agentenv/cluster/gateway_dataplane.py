@@ -11,11 +11,14 @@ sandbox's token. Everything else reaches the gateway's Python server exactly as 
 control API, paused sandboxes (wake on traffic), unknown and lost ones, signed `/files` URLs without
 a host, and the first requests for a sandbox the routes do not have yet (whose lookup then adds it).
 
-Routes: the running sandboxes and their nodes, read from the shared store every second; a sandbox
-the Python hop just resolved is added at once; a sandbox this gateway pauses, kills or moves leaves
-the routes before the call goes to its node. A route that is stale for a moment is harmless: its
-node answers for a sandbox it no longer runs (wakes it, or the 502 the SDKs expect), as the Python
-hop's two-second route cache did.
+Routes follow the nodes' lifecycle events, which the gateway tails anyway for its merged `/events`
+(`view.EventTailer`): a sandbox created or resumed on a node is added, one paused, killed or failed
+is removed. A sandbox this gateway pauses, kills or moves leaves the routes before the call goes to
+its node, and one the Python hop has just resolved is added at once. Every `_RECONCILE_S` the
+routes are compared with the shared store (the running sandboxes of live nodes), which repairs
+anything an event did not say (a node that died, a tail that restarted). A route that is stale for
+a moment is harmless: its node answers for a sandbox it no longer runs (wakes it, or the 502 the
+SDKs expect), as the Python hop's two-second route cache did.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import re
 import shutil
 import signal
 import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -42,7 +46,9 @@ from agentenv.proxy.haproxy_conf import HaproxyLayout, NodeHop
 
 log = logging.getLogger("agentenv.cluster.gateway")
 
-_REFRESH_S = 1.0
+_RECONCILE_S = 10.0
+_RUNNING = {"created", "resumed"}
+_STOPPED = {"paused", "killed", "failed"}
 
 
 class GatewayRoutes:
@@ -144,6 +150,9 @@ class GatewayDataPlane:
         self.nodes = NodeAddresses(self.dp.api, self.layout.nodes_map)
         self._task: asyncio.Task[None] | None = None
         self._watch: dataplane.CertificateWatch | None = None
+        self._touched: set[str] = set()   # changed by an event or a call while the store was read
+        self._reconcile_now = asyncio.Event()
+        self._reconciled_at = 0.0
 
     # ------------------------------------------------------------------ routes
 
@@ -151,11 +160,27 @@ class GatewayDataPlane:
         """The Python hop resolved a running sandbox: HAProxy carries its next requests."""
         if self.routes.owner.get(sandbox_id) != node_id:
             self.routes.owner[sandbox_id] = node_id
+            self._touched.add(sandbox_id)
+            self.dp.routes.mark(sandbox_id)
+        if node_id not in self.nodes.have and time.monotonic() - self._reconciled_at > 1.0:
+            self._reconcile_now.set()  # a node that joined since the last reconcile: learn its address
+
+    def on_node_event(self, node_id: str, event: dict) -> None:
+        """A node's lifecycle event (`view.ClusterEvents` listener): routes follow it at once."""
+        sandbox_id, kind = event.get("sandboxID"), event.get("type")
+        if not sandbox_id:
+            return
+        if kind in _RUNNING:
+            self.noted(sandbox_id, node_id)
+        elif kind in _STOPPED and self.routes.owner.get(sandbox_id) == node_id:
+            del self.routes.owner[sandbox_id]
+            self._touched.add(sandbox_id)
             self.dp.routes.mark(sandbox_id)
 
     async def forget(self, sandbox_id: str) -> None:
         """This gateway pauses, kills or moves the sandbox: off the fast path before its node hears of it."""
         if self.routes.owner.pop(sandbox_id, None) is not None:
+            self._touched.add(sandbox_id)
             try:
                 await self.dp.routes.sync({sandbox_id})
             except (OSError, asyncio.TimeoutError) as e:
@@ -163,7 +188,7 @@ class GatewayDataPlane:
 
     async def _want(self) -> tuple[dict[str, str], dict[str, str]]:
         """(sandbox -> node, node -> address) from the store: running sandboxes of live nodes."""
-        nodes = {n.node_id: n for n in (await self._orch.nodes(max_age_s=_REFRESH_S / 2)).values()
+        nodes = {n.node_id: n for n in (await self._orch.nodes(max_age_s=1.0)).values()
                  if n.state != "dead"}
         addresses: dict[str, str] = {}
         for node_id, n in nodes.items():
@@ -176,14 +201,26 @@ class GatewayDataPlane:
         return owner, addresses
 
     async def refresh(self) -> None:
+        """Reconcile with the store; what events and calls changed meanwhile stays as they said."""
+        self._touched = set()
+        self._reconciled_at = time.monotonic()
         owner, addresses = await self._want()
         await self.nodes.sync(addresses)
+        for sid in self._touched:
+            if sid in self.routes.owner:
+                owner[sid] = self.routes.owner[sid]
+            else:
+                owner.pop(sid, None)
         self.routes.owner = owner
         await self.dp.routes.sync()
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(_REFRESH_S)
+            try:
+                await asyncio.wait_for(self._reconcile_now.wait(), _RECONCILE_S)
+            except asyncio.TimeoutError:
+                pass
+            self._reconcile_now.clear()
             try:
                 await self.refresh()
             except asyncio.CancelledError:

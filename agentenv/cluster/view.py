@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -41,11 +42,14 @@ class ClusterEvents:
         self.seq = 0
         self.recent: deque[dict] = deque(maxlen=MEMORY_EVENTS)
         self._changed = asyncio.Condition()
+        self.listeners: list[Callable[[str, dict], None]] = []  # (node id, event), e.g. the gateway's routes
 
     def add(self, node_id: str, events: list[dict]) -> None:
         for ev in events:
             self.seq += 1
             self.recent.append({**ev, "seq": self.seq, "nodeSeq": ev.get("seq"), "nodeID": node_id})
+            for listener in self.listeners:
+                listener(node_id, ev)
         if events:
             asyncio.get_running_loop().create_task(self._notify())
 

@@ -104,6 +104,13 @@ def hop_answers(data_dir: Path, gateway) -> int:
     return stats["node_hop"]["hrsp_2xx"]
 
 
+def gateway_routes(data_dir: Path, gateway) -> dict[str, str]:
+    """The routes map (sandbox id -> node id) a gateway's HAProxy has now."""
+    base = data_dir / "gateway-haproxy" / gateway.url.rsplit(":", 1)[1]
+    out = asyncio.run(RuntimeApi(sock_dir_for(base) / "admin.sock").run([f"show map {base / 'routes.map'}"]))
+    return {line.split()[1]: line.split()[2] for line in "\n".join(out).splitlines() if len(line.split()) == 3}
+
+
 def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, tmp_path):
     """A gateway's sandbox traffic goes from its HAProxy straight to the sandbox's node (mutual TLS,
     the node verified by its id); a private sandbox's token is checked on the node for traffic
@@ -129,7 +136,10 @@ def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, 
                            timeout=30).status_code != 200:
             assert time.monotonic() < deadline, sbx.commands.run("cat /tmp/app.log").stdout
             time.sleep(0.2)
-        time.sleep(1.5)  # the gateway's routes refresh (1 s): the sandbox is on its fast path now
+        deadline = time.monotonic() + 3  # on the gateway's fast path: its node's event, or the hop's lookup
+        while gateway_routes(hp_dir, gw).get(sbx.sandbox_id) is None:
+            assert time.monotonic() < deadline, gateway_routes(hp_dir, gw)
+            time.sleep(0.1)
 
         before = hop_answers(hp_dir, gw)
         for g in (gw, py_gw):
@@ -151,6 +161,7 @@ def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, 
         killed, sbx = sbx.sandbox_id, None
         r = requests.get(f"{gw.url}/hello", headers={**route, "E2b-Traffic-Access-Token": token}, timeout=30)
         assert r.status_code == 502 and r.json()["sandboxId"] == killed, r.text
+        assert killed not in gateway_routes(hp_dir, gw)
 
         # a renewed gateway certificate reaches HAProxy's hop without a restart (reload round: 30 s)
         cluster.pki.issue("gateway", "gateway")
@@ -158,10 +169,16 @@ def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, 
         while "cluster certificate reloaded into haproxy" not in gw.log_path.read_text():
             assert time.monotonic() < deadline, gw.log_path.read_text()[-3000:]
             time.sleep(1)
-        other = Sandbox.create(timeout=120, **cluster.sdk_opts())
+        other = Sandbox.create(timeout=120, **cluster.sdk_opts())  # through the other gateway
         try:
+            # its node's `created` event puts it on this gateway's fast path at once (the store is
+            # only read every 10 s), before any request for it reached this gateway
+            owner = bindings(cluster)[other.sandbox_id][0]
+            deadline = time.monotonic() + 3
+            while gateway_routes(hp_dir, gw).get(other.sandbox_id) != owner:
+                assert time.monotonic() < deadline, gateway_routes(hp_dir, gw)
+                time.sleep(0.1)
             box = Sandbox.connect(other.sandbox_id, api_key=cluster.api_key, api_url=gw.url, sandbox_url=gw.url)
-            time.sleep(1.5)
             before = hop_answers(hp_dir, gw)
             assert box.commands.run("echo renewed").stdout == "renewed\n"
             assert hop_answers(hp_dir, gw) > before
