@@ -255,6 +255,29 @@ def gateway_hop_answers(gateway_data_dir: Path, port: str) -> int | None:
     return sum(hop[f"hrsp_{k}xx"] for k in range(1, 6)) if hop else None
 
 
+def gateway_route_of(gateway_data_dir: Path, port: str, sandbox_id: str) -> str | None:
+    """The node a cluster gateway's HAProxy routes `sandbox_id` to now (its routes map), if any."""
+    from agentenv.proxy.haproxy import RuntimeApi, sock_dir_for
+
+    base = gateway_data_dir / "gateway-haproxy" / port
+    try:
+        out = asyncio.run(RuntimeApi(sock_dir_for(base) / "admin.sock").run([f"get map {base / 'routes.map'} {sandbox_id}"]))
+    except OSError:
+        return None
+    m = re.search(r'value="([^"]*)"', "\n".join(out))
+    return m.group(1) if m else None
+
+
+def wait_route(gateway_data_dir: Path, port: str, sandbox_id: str, present: bool, limit_s: float = 15.0) -> float | None:
+    """Seconds until the gateway's routes map has (or no longer has) `sandbox_id`; None past `limit_s`."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        if (gateway_route_of(gateway_data_dir, port, sandbox_id) is not None) == present:
+            return time.perf_counter() - t0
+        time.sleep(0.005)
+    return None
+
+
 def haproxy_pids(data_dir: Path) -> list[int]:
     """The HAProxy process serving the server on `data_dir` (none: the Python proxy serves)."""
     config = os.fsencode(data_dir / "haproxy" / "haproxy.cfg")
@@ -1530,6 +1553,12 @@ def report(res: dict) -> str:
             st = cl[k]
             L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
         L += ["", f"Overhead of the gateway + scheduler at p50: {ms(cl['overhead_p50'])}.", ""]
+        lag = cl.get("gateway_route_lag") or {}
+        if lag.get("add") and lag.get("remove"):
+            L += [f"A sandbox created or killed straight on the node (its lifecycle event is all the gateway "
+                  f"hears): on the gateway's HAProxy routes after p50 {ms(lag['add']['p50'])} (max "
+                  f"{ms(lag['add']['max'])}), off them after a kill p50 {ms(lag['remove']['p50'])} (max "
+                  f"{ms(lag['remove']['max'])}), n = {lag['add']['n']}; not within 15 s: {lag['missed']}.", ""]
         tr = cl.get("traffic")
         if tr:
             L += [f"Sandbox traffic on the node (`wrk`, 23-byte answers; node data plane: {tr['node_data_plane']}, "
@@ -1655,21 +1684,46 @@ def cluster_bench(quick: bool) -> dict:
             time.sleep(0.5)
         time.sleep(8)  # the node's warm image
         timings: dict[str, list[float]] = {"gateway": [], "direct": [], "gateway_info": [], "direct_info": []}
+        # A sandbox created or killed straight on the node: how long until the gateway's HAProxy routes
+        # it (or no longer does). Nothing went through the gateway, so only the node's lifecycle event
+        # (the gateway's /events tail) or its reconcile with PostgreSQL can tell it.
+        lag: dict[str, list[float]] = {"add": [], "remove": [], "missed": []}
+        gw_dir, gw_port = data / "gateway", urls["gateway"].rsplit(":", 1)[1]
         for i in range(2 * n + 2):
             path = "gateway" if i % 2 == 0 else "direct"
             url = urls["gateway" if path == "gateway" else "node"]
             t0 = time.perf_counter()
             sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url, timeout=120)
             dt = time.perf_counter() - t0
+            if path == "direct" and i >= 2:
+                added = wait_route(gw_dir, gw_port, sbx.sandbox_id, True)
+                if added is None:
+                    lag["missed"].append(sbx.sandbox_id)
+                else:
+                    lag["add"].append(added)
             infos = []
             for _ in range(5):  # a cheap control call: the fixed cost of the extra hop
                 t1 = time.perf_counter()
                 sbx.get_info()
                 infos.append(time.perf_counter() - t1)
             sbx.kill()
+            if path == "direct" and i >= 2:
+                gone = wait_route(gw_dir, gw_port, sbx.sandbox_id, False)
+                if gone is None:
+                    lag["missed"].append(sbx.sandbox_id)
+                else:
+                    lag["remove"].append(gone)
             if i >= 2:  # the first of each path warms connections and caches
                 timings[path].append(dt)
                 timings[f"{path}_info"] += infos
+        out["gateway_route_lag"] = {"add": stats(lag["add"]) if lag["add"] else None,
+                                    "remove": stats(lag["remove"]) if lag["remove"] else None,
+                                    "missed": len(lag["missed"])}
+        if lag["add"] and lag["remove"]:
+            log(f"cluster: a sandbox created on the node is on the gateway's fast path after p50 "
+                f"{statistics.median(lag['add']) * 1000:.0f} ms (max {max(lag['add']) * 1000:.0f}), "
+                f"off it after a kill p50 {statistics.median(lag['remove']) * 1000:.0f} ms "
+                f"(max {max(lag['remove']) * 1000:.0f}); missed within 15 s: {len(lag['missed'])}")
         out["gateway_create"] = stats(timings["gateway"])
         out["direct_create"] = stats(timings["direct"])
         out["overhead_p50"] = out["gateway_create"]["p50"] - out["direct_create"]["p50"]
