@@ -161,6 +161,30 @@ def gateway(host: str | None, port: int | None) -> None:
     _run_role(run_gateway(_settings(None, host=host, port=port)))
 
 
+@main.command("data-plane")
+@click.option("--role", type=click.Choice(["serve", "node", "gateway"]), default="node", show_default=True,
+              help="the role whose HAProxy this runs (a gateway's files are per port)")
+@click.option("--port", type=int, default=None, help="the gateway's listen port (AGENTENV_PORT)")
+@click.option("--data-dir", default=None, help="the role's data dir, shared with it (AGENTENV_DATA_DIR)")
+def data_plane(role: str, port: int | None, data_dir: str | None) -> None:
+    """Run a role's HAProxy as a component of its own (the role has AGENTENV_HAPROXY_EXTERNAL=true)."""
+    from agentenv.proxy import component, dataplane
+    from agentenv.proxy.haproxy import haproxy_binary
+    from agentenv.server import StopSignal
+
+    settings = _settings(data_dir, port=port)
+    binary = haproxy_binary(settings.haproxy_path)
+    if binary is None:
+        raise click.ClickException(f"{settings.haproxy_path!r} is not installed (apt-get install haproxy)")
+    layout = dataplane.gateway_layout(settings) if role == "gateway" else dataplane.layout(settings)
+
+    async def run() -> None:
+        stop = StopSignal()
+        await component.Component(binary, layout).run(stop.event)
+
+    _run_role(run())
+
+
 @main.command()
 @click.option("--host", default=None, help="listen address (AGENTENV_HOST)")
 @click.option("--port", type=int, default=None, help="listen port (AGENTENV_PORT)")

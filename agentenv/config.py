@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     # listeners are HAProxy's; the Python server sits behind it on a unix socket), "python" from the
     # server's own proxy, "auto" = haproxy when the binary is installed.
     data_plane: str = Field(default="auto", pattern=r"^(auto|haproxy|python)$")
+    # HAProxy as a component of its own (`agentenv data-plane`, e.g. a sidecar container): the server
+    # writes its configuration and maps and drives it through the runtime API, but does not run it.
+    haproxy_external: bool = False
     haproxy_path: str = "haproxy"
     # HAProxy's threads; None: half the CPUs, 1 to 4 (the sandboxes need the rest: on 2 cores two
     # threads served 14-34 % fewer requests/s at 32 connections than one, docs/benchmarks.md).

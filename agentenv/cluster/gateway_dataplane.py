@@ -41,8 +41,8 @@ from yarl import URL
 from agentenv.config import Settings
 from agentenv.models import SandboxState
 from agentenv.proxy import dataplane
-from agentenv.proxy.haproxy import DataPlane, RuntimeApi, haproxy_binary, sock_dir_for
-from agentenv.proxy.haproxy_conf import HaproxyLayout, NodeHop
+from agentenv.proxy.haproxy import DataPlane, RuntimeApi, haproxy_binary
+from agentenv.proxy.haproxy_conf import NodeHop
 
 log = logging.getLogger("agentenv.cluster.gateway")
 
@@ -135,8 +135,7 @@ class GatewayDataPlane:
         self._orch = orch
         self._chosen = chosen
         self._reloader = reloader
-        base = settings.data_dir / "gateway-haproxy" / str(settings.port)  # replicas may share a data dir
-        self.layout = HaproxyLayout(base, sock_dir_for(base))
+        self.layout = dataplane.gateway_layout(settings)
         hop = NodeHop(None, None)
         if tls.enabled(settings):
             hop = NodeHop(self.layout.dir / "cluster.pem", Path(settings.cluster_ca_file))
@@ -146,7 +145,7 @@ class GatewayDataPlane:
         self.dp = DataPlane(chosen.haproxy or "haproxy", self.layout, self.routes,
                             http_bind=f"{host}:{settings.port}", https_bind=settings.https_bind,
                             cert=chosen.tls.pem if chosen.tls else None, threads=settings.haproxy_threads,
-                            hop=hop)
+                            hop=hop, external=settings.haproxy_external)
         self.nodes = NodeAddresses(self.dp.api, self.layout.nodes_map)
         self._task: asyncio.Task[None] | None = None
         self._watch: dataplane.CertificateWatch | None = None
@@ -264,7 +263,8 @@ class GatewayDataPlane:
         """HAProxy first (it owns the listeners), then the rest: a refresh cut off in the middle of a
         store query must not keep the gateway from stopping (bounded wait)."""
         await self.dp.stop()
-        shutil.rmtree(self.layout.dir, ignore_errors=True)  # config, maps and a copy of the key
+        if not self.dp.external:  # an external HAProxy goes on running from them
+            shutil.rmtree(self.layout.dir, ignore_errors=True)  # config, maps and a copy of the key
         if self._watch is not None:
             await self._watch.stop()
         if self._task is not None:

@@ -134,13 +134,16 @@ def destroy(sockets: list[TcpSocket]) -> int:
     return done
 
 
-def reset_connections(pid: int, host: str) -> int:
-    """Reset process `pid`'s TCP connections to `host` (none of any other process's); return how many.
+def reset_connections(pid: int | None, host: str) -> int:
+    """Reset process `pid`'s TCP connections to `host` (none of any other process's; `pid` None:
+    every one in this network namespace); return how many.
 
     Blocking but short (netlink round trips); call it in a thread from async code.
     """
     conns = connections_to(host)
     if not conns:
         return 0
+    if pid is None:
+        return destroy(conns)
     mine = socket_inodes(pid)
     return destroy([c for c in conns if c.inode in mine])

@@ -63,6 +63,12 @@ def layout(settings: Settings) -> HaproxyLayout:
     return HaproxyLayout(settings.data_dir / "haproxy", sock_dir_for(settings.data_dir))
 
 
+def gateway_layout(settings: Settings) -> HaproxyLayout:
+    """A cluster gateway's: per port (replicas may share a data dir)."""
+    base = settings.data_dir / "gateway-haproxy" / str(settings.port)
+    return HaproxyLayout(base, sock_dir_for(base))
+
+
 class OrchestratorRoutes:
     """`haproxy.RouteSource` over the orchestrator: running sandboxes and their slot addresses."""
 
@@ -103,7 +109,7 @@ def make(settings: Settings, chosen: Plan, orch: Any, *, source: Any = None,
     http_bind = f"{settings.host}:{settings.port}" if ":" not in settings.host else f"[{settings.host}]:{settings.port}"
     return DataPlane(chosen.haproxy, layout(settings), source or OrchestratorRoutes(orch), http_bind=http_bind,
                      https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None,
-                     threads=settings.haproxy_threads, cluster=cluster)
+                     threads=settings.haproxy_threads, cluster=cluster, external=settings.haproxy_external)
 
 
 def attach(dp: DataPlane, orch: Any) -> None:
@@ -172,7 +178,10 @@ def metrics_hook(dp: DataPlane, metrics: Any) -> Callable[[], Awaitable[None]]:
 
 
 async def stop_leftover(settings: Settings) -> list[str]:
-    """`agentenv gc`: stop a HAProxy of this data dir left by a server that was killed (its pid)."""
+    """`agentenv gc`: stop a HAProxy of this data dir left by a server that was killed (its pid).
+    Not with `haproxy_external`: that HAProxy is its own component's, not a leftover."""
+    if settings.haproxy_external:
+        return []
     dp = DataPlane(settings.haproxy_path, layout(settings), OrchestratorRoutes(None), http_bind=None)
     pid = dp.pid()
     if pid is not None:

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 _LINE_BYTES = 8000
 _RECONCILE_S = 5.0
 _RESTART_DELAY_S = (0.5, 1.0, 2.0, 5.0)
+_FOLLOW_S = 1.0          # an external HAProxy: how often its instance is checked
+_EXTERNAL_WAIT_S = 120.0  # ... and how long a starting server waits for it
 # What may go into a runtime-API command: ids, tokens (token_urlsafe) and addresses never need more.
 _SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,200}$")
 
@@ -161,6 +163,14 @@ class RouteTable:
         if cmds:
             await self._apply(cmds)
 
+    async def resend(self) -> int:
+        """A HAProxy that loaded its maps from the files: empty them and add every route again (the
+        files were written when the server started; the routes went on changing)."""
+        async with self._lock:
+            await self._apply([f"clear map {self._layout.tokens_map}", f"clear map {self._layout.routes_map}"])
+            self.routes, self.tokens = {}, {}
+            return await self._sync(None)
+
     async def sync(self, only: set[str] | None = None) -> int:
         """Apply the difference between HAProxy's maps and the running sandboxes (all, or `only`)."""
         async with self._lock:
@@ -249,6 +259,13 @@ async def backend_stats(api: RuntimeApi, backends=SANDBOX_BACKENDS) -> dict[str,
     return stats
 
 
+def _is_haproxy(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"haproxy")
+    except OSError:
+        return False
+
+
 def _write_map(path: Path, entries: dict[str, str]) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(f"{k} {v}\n" for k, v in entries.items()))
@@ -257,12 +274,20 @@ def _write_map(path: Path, entries: dict[str, str]) -> None:
 
 
 class DataPlane:
-    """The supervised HAProxy process and its live routes."""
+    """The supervised HAProxy process and its live routes.
+
+    `external`: HAProxy is its own component (`agentenv data-plane`, `proxy/component.py`, e.g. a
+    sidecar container) that runs what this server writes. The server then writes the configuration
+    and maps as always, waits for the runtime API, and follows the instance behind it: a restarted
+    or reloaded HAProxy (a new worker pid) gets every route again. It never starts or stops it."""
 
     def __init__(self, binary: str, layout: HaproxyLayout, source: RouteSource, *, http_bind: str | None,
                  https_bind: str | None = None, cert: Path | None = None, threads: int | None = None,
-                 cluster: ClusterListener | None = None, hop: NodeHop | None = None) -> None:
+                 cluster: ClusterListener | None = None, hop: NodeHop | None = None,
+                 external: bool = False) -> None:
         self.binary = binary
+        self.external = external
+        self._instance: str | None = None  # external: the worker pid behind the runtime API
         self.layout = layout
         self.api = RuntimeApi(layout.admin_socket)
         self.routes = RouteTable(source, self.api, layout)
@@ -279,7 +304,11 @@ class DataPlane:
 
     def pid(self) -> int | None:
         """The HAProxy process running our configuration, if any (HAProxy in the foreground writes
-        no pid file; the process is found by its command line)."""
+        no pid file; the process is found by its command line). External: its worker, when this
+        process can see it (a shared PID namespace)."""
+        if self.external:
+            pid = int(self._instance) if self._instance else None
+            return pid if pid is not None and _is_haproxy(pid) else None
         if self._pid is not None and self._is_ours(self._pid):
             return self._pid
         self._pid = None
@@ -297,22 +326,67 @@ class DataPlane:
         return len(argv) > 1 and argv[0].endswith(b"haproxy") and os.fsencode(self.layout.config) in argv
 
     async def start(self) -> None:
-        """Write config and maps, start HAProxy, return once it answers on its runtime API."""
+        """Write config and maps, start HAProxy (external: wait for it), return once it answers on
+        its runtime API."""
         self.layout.dir.mkdir(parents=True, exist_ok=True)
         self.layout.sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        await self.stop_leftover()
-        self.layout.config.write_text(render(self.layout, http_bind=self._http_bind, https_bind=self._https_bind,
-                                             cert=self._cert, threads=self._threads, cluster=self._cluster,
-                                             hop=self._hop))
+        if not self.external:
+            await self.stop_leftover()
+        config = render(self.layout, http_bind=self._http_bind, https_bind=self._https_bind, cert=self._cert,
+                        threads=self._threads, cluster=self._cluster, hop=self._hop)
         self.routes.write_files()
-        res = await run_cmd([self.binary, "-c", "-f", self.layout.config], timeout=30, check=False)
+        tmp = self.layout.config.with_suffix(".tmp")  # whole or not at all: an external HAProxy may read it now
+        tmp.write_text(config)
+        res = await run_cmd([self.binary, "-c", "-f", tmp], timeout=30, check=False)
         if res.returncode != 0:
             alerts = [line for line in (res.stdout + res.stderr).splitlines() if "ALERT" in line]
             raise CommandError(f"haproxy configuration check failed: {' '.join(alerts)[-1500:]}")
+        tmp.replace(self.layout.config)
         started = asyncio.get_running_loop().create_future()
-        self._supervisor = asyncio.create_task(self._supervise(started), name="haproxy-supervisor")
+        work = self._follow(started) if self.external else self._supervise(started)
+        self._supervisor = asyncio.create_task(work, name="haproxy-supervisor")
         await started
         self._sync = asyncio.create_task(self.routes.run(), name="haproxy-routes")
+
+    async def _worker_pid(self) -> str | None:
+        """The pid of the HAProxy worker answering on the runtime API (None: nothing answers)."""
+        try:
+            out = "\n".join(await self.api.run(["show info"]))
+        except (OSError, asyncio.TimeoutError):
+            return None
+        m = re.search(r"^Pid: (\d+)$", out, re.M)
+        return m.group(1) if m else None
+
+    async def _follow(self, started: asyncio.Future[None]) -> None:
+        """External HAProxy: wait until it answers, then give every new instance (restarted, or
+        reloaded with this server's new configuration) all routes again: it loaded the map files,
+        written when this server started, while the routes went on changing."""
+        waited = 0.0
+        while True:
+            pid = await self._worker_pid()
+            if pid is None:
+                if not started.done() and waited >= _EXTERNAL_WAIT_S:
+                    started.set_exception(CommandError(
+                        f"no haproxy answered on {self.layout.admin_socket} within {_EXTERNAL_WAIT_S:.0f}s: "
+                        f"haproxy_external is set, so `agentenv data-plane` (its own component) runs it"))
+                    return
+                if waited % 10.0 == 0.0:
+                    log.info("waiting for the data plane component (haproxy) on %s", self.layout.admin_socket)
+            elif pid != self._instance:
+                if self._instance is not None:
+                    log.warning("haproxy behind %s is a new instance (worker %s): sending it every route",
+                                self.layout.admin_socket, pid)
+                    self.restarts += 1
+                self._instance = pid
+                try:
+                    await self.routes.resend()
+                except (OSError, asyncio.TimeoutError) as e:
+                    log.warning("routes not resent to haproxy yet: %s", e)
+                    self._instance = None
+                if not started.done() and self._instance is not None:
+                    started.set_result(None)
+            await asyncio.sleep(_FOLLOW_S)
+            waited += _FOLLOW_S
 
     async def stop_leftover(self) -> None:
         """A HAProxy of ours left by a server that died without stopping it holds our ports."""
@@ -390,6 +464,10 @@ class DataPlane:
                 with contextlib.suppress(BaseException):
                     await task
         self._sync = self._supervisor = None
+        if self.external:  # the component's sockets and configuration stay: it goes on running
+            with contextlib.suppress(FileNotFoundError):
+                self.layout.app_socket.unlink()
+            return
         shutil.rmtree(self.layout.sock_dir, ignore_errors=True)
 
     async def backend_stats(self) -> dict[str, dict[str, int]]:
@@ -401,7 +479,7 @@ class DataPlane:
         `commit ssl cert` on its runtime API): new TLS handshakes use it, open connections go on.
         `pem`: the HTTPS listener's (default) or the cluster listener's file."""
         pem = pem or self._cert
-        if pem is None or self.pid() is None:
+        if pem is None or (self.pid() is None and not self.external):
             return  # no HTTPS, or HAProxy is restarting and reads the file itself
         name = str(pem)
         payload = pem.read_text().strip("\n")
@@ -423,9 +501,12 @@ class DataPlane:
             log.warning("could not take %s out of haproxy's routes: %s", sandbox_id, e)
 
     async def reset_connections(self, host_ip: str) -> None:
-        """Reset (RST) HAProxy's TCP connections to one sandbox address, none of anyone else's."""
+        """Reset (RST) HAProxy's TCP connections to one sandbox address, none of anyone else's. An
+        external HAProxy this process cannot see (no shared PID namespace): every connection to that
+        address in this network namespace, which only HAProxy and this server open (this server
+        closed its own already, `attach`)."""
         pid = self.pid()
-        if pid is None:
+        if pid is None and not self.external:
             return
         try:
             n = await asyncio.to_thread(sockdiag.reset_connections, pid, host_ip)

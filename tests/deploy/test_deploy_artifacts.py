@@ -89,8 +89,28 @@ def test_compose_cluster_roles_and_settings():
     doc = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = doc["services"]
     roles = {name: svc["command"][0] for name, svc in services.items()
-             if svc.get("image", "").startswith("agentenv") and "entrypoint" not in svc}
+             if svc.get("image", "").startswith("agentenv") and "entrypoint" not in svc
+             and svc["command"][0] != "data-plane"}
     assert sorted(roles.values()) == ["gateway", "node", "node", "scheduler"], roles
+    # HAProxy of the gateway and of each node: a component of its own beside its role
+    for name, role in roles.items():
+        if role == "scheduler":
+            continue
+        env = services[name]["environment"]
+        assert env.get("AGENTENV_HAPROXY_EXTERNAL") == "true", f"{name}: its HAProxy is not the data-plane service"
+        dp = services[f"{name}-data-plane"]
+        check_role(dp["command"], f"compose service {name}-data-plane")
+        argv = dp["command"]
+        assert argv[argv.index("--role") + 1] == role, argv
+        assert dp["network_mode"] == f"service:{name}", "the data plane must share its role's network"
+        data_dir = env.get("AGENTENV_DATA_DIR", "/var/lib/agentenv")
+        assert argv[argv.index("--data-dir") + 1] == data_dir, argv
+        shared = {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
+        mine = {v.split(":")[1]: v.split(":")[0] for v in dp["volumes"]}
+        for path in (data_dir, "/tmp", "/etc/agentenv/pki"):  # config, maps; the sockets; the cluster CA
+            assert shared.get(path) and mine.get(path) == shared[path], (name, path, shared, mine)
+    res = run(str(BIN / "agentenv"), "data-plane", "--help")
+    assert res.returncode == 0 and all(o in res.stdout for o in ("--role", "--port", "--data-dir")), res.stdout
     # the one-shot pki job: the cluster CA and a certificate for each role, with the real CLI
     pki = services["pki"]["command"][0]
     assert "agentenv cluster ca init" in pki and pki.count("cert --role") == 4, pki
@@ -137,11 +157,25 @@ def test_kubernetes_workloads_match_the_code():
     check_env(config, "ConfigMap/Secret")
     workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "DaemonSet")}
     for name in ("agentenv-gateway", "agentenv-scheduler", "agentenv-node"):
-        (container,) = workloads[name]["spec"]["template"]["spec"]["containers"]
-        check_role(container["args"], name)
-        check_env({e["name"] for e in container.get("env", [])}, name)
+        containers = workloads[name]["spec"]["template"]["spec"]["containers"]
+        for container in containers:
+            check_role(container["args"], f"{name}/{container['name']}")
+            check_env({e["name"] for e in container.get("env", [])}, name)
+        if name == "agentenv-scheduler":
+            assert len(containers) == 1
+            continue
+        # HAProxy: a container of its own in the role's pod (same network), sharing its data dir and /tmp
+        role, dp = containers[0], next(c for c in containers if c["name"] == "data-plane")
+        assert {"name": "AGENTENV_HAPROXY_EXTERNAL", "value": "true"} in role["env"], name
+        assert dp["args"][:3] == ["data-plane", "--role", role["args"][0]], dp["args"]
+        data_dir = next(e["value"] for e in role["env"] if e["name"] == "AGENTENV_DATA_DIR")
+        assert {"name": "AGENTENV_DATA_DIR", "value": data_dir} in dp["env"], name
+        role_mounts = {m["mountPath"]: m["name"] for m in role["volumeMounts"]}
+        dp_mounts = {m["mountPath"]: m["name"] for m in dp["volumeMounts"]}
+        for path in (data_dir, "/tmp", "/etc/agentenv/pki"):
+            assert role_mounts.get(path) and dp_mounts.get(path) == role_mounts[path], (name, path)
     node = workloads["agentenv-node"]["spec"]["template"]["spec"]
-    (agent,) = node["containers"]
+    agent = node["containers"][0]
     assert agent["securityContext"]["privileged"] is True
     mounts = {m["mountPath"]: m for m in agent["volumeMounts"]}
     assert mounts["/run/netns"]["mountPropagation"] == "Bidirectional"
