@@ -273,10 +273,10 @@ class Cluster:
                 raise RuntimeError("nodes not up: " + "\n".join(f"--- {n}\n{self.nodes[n].log_tail()}" for n in names))
             time.sleep(0.5)
 
-    def start_gateway(self, env: dict[str, str] | None = None) -> Proc:
+    def start_gateway(self, env: dict[str, str] | None = None, port: int | None = None) -> Proc:
         """Another gateway replica (stateless: same store, scheduler and key), with `env` on top of
         the first one's settings; the caller stops it."""
-        port = free_port()
+        port = port or free_port()
         env = {**self.extra["gateway_env"], "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(port), **(env or {})}
         return _start_role("gateway", env, f"http://127.0.0.1:{port}", self.work / f"gateway-{port}.log", self.work)
 

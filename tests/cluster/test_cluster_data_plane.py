@@ -7,15 +7,19 @@ behind HAProxy, which learns the verified caller from HAProxy alone)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 import socket
 import ssl
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import requests
 from e2b import Sandbox
+from serverproc import agentenv_executable, free_port
 from test_cluster_multinode import bindings
 
 from agentenv.constants import ENVD_PORT
@@ -191,3 +195,74 @@ def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, 
         gw.stop()
         py_gw.stop()
     assert not (hp_dir / "gateway-haproxy").exists() or not any((hp_dir / "gateway-haproxy").iterdir())
+
+
+def _master_of(config: Path) -> int | None:
+    """The HAProxy master running `config` (its workers are its children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"haproxy") and os.fsencode(config) in argv:
+            pids.append(int(entry.name))
+    for pid in pids:
+        if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) not in pids:
+            return pid
+    return None
+
+
+def test_gateway_with_haproxy_as_its_own_component(cluster, tmp_path):
+    """The deployment files' gateway: `haproxy_external` with `agentenv data-plane --role gateway`
+    beside it. The hop to the nodes (mutual TLS, the cluster CA) runs in the component's HAProxy;
+    a HAProxy killed -9 is started again and gets its routes back; the gateway stopping leaves it."""
+    if shutil.which("haproxy") is None:
+        pytest.skip("haproxy is not installed")
+    data, port = tmp_path / "gw-external", free_port()
+    data.mkdir()
+    comp_log = tmp_path / "gw-data-plane.log"
+    comp = subprocess.Popen([agentenv_executable(), "data-plane", "--role", "gateway", "--port", str(port),
+                             "--data-dir", str(data)], stdout=open(comp_log, "ab"), stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    gw = sbx = None
+    try:
+        gw = cluster.start_gateway({"AGENTENV_DATA_DIR": str(data), "AGENTENV_HAPROXY_EXTERNAL": "true"}, port=port)
+        config = data / "gateway-haproxy" / str(port) / "haproxy.cfg"
+        master = _master_of(config)
+        assert master is not None and _ppid(master) == comp.pid, comp_log.read_text()[-2000:]
+        opts = dict(api_key=cluster.api_key, api_url=gw.url, sandbox_url=gw.url)
+        sbx = Sandbox.create(timeout=300, **opts)
+        deadline = time.monotonic() + 5
+        while gateway_routes(data, gw).get(sbx.sandbox_id) is None:
+            assert time.monotonic() < deadline, gateway_routes(data, gw)
+            time.sleep(0.1)
+        before = hop_answers(data, gw)
+        assert sbx.commands.run("echo hop").stdout == "hop\n"
+        assert hop_answers(data, gw) > before, "the command did not go through the component's HAProxy hop"
+
+        os.kill(master, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while "is a new instance" not in gw.log_path.read_text() or \
+                gateway_routes(data, gw).get(sbx.sandbox_id) is None:
+            assert time.monotonic() < deadline, (gw.log_path.read_text()[-2000:], comp_log.read_text()[-2000:])
+            time.sleep(0.2)
+        assert sbx.commands.run("echo again").stdout == "again\n"
+        assert hop_answers(data, gw) > 0
+
+        gw.stop()
+        gw = None
+        assert comp.poll() is None and _master_of(config) is not None, "the data plane stopped with the gateway"
+    finally:
+        if sbx is not None:
+            Sandbox.kill(sbx.sandbox_id, **cluster.sdk_opts())
+        if gw is not None:
+            gw.stop()
+        comp.send_signal(signal.SIGTERM)
+        comp.wait(30)
+    assert "haproxy stopped" in comp_log.read_text()
+    assert _master_of(config) is None
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
