@@ -287,7 +287,7 @@ class DataPlane:
                  external: bool = False) -> None:
         self.binary = binary
         self.external = external
-        self._instance: str | None = None  # external: the worker pid behind the runtime API
+        self._instance: str | None = None  # external: the worker behind the runtime API (`_worker`)
         self.layout = layout
         self.api = RuntimeApi(layout.admin_socket)
         self.routes = RouteTable(source, self.api, layout)
@@ -307,7 +307,7 @@ class DataPlane:
         no pid file; the process is found by its command line). External: its worker, when this
         process can see it (a shared PID namespace)."""
         if self.external:
-            pid = int(self._instance) if self._instance else None
+            pid = int(self._instance.split("@")[0]) if self._instance else None
             return pid if pid is not None and _is_haproxy(pid) else None
         if self._pid is not None and self._is_ours(self._pid):
             return self._pid
@@ -348,14 +348,16 @@ class DataPlane:
         await started
         self._sync = asyncio.create_task(self.routes.run(), name="haproxy-routes")
 
-    async def _worker_pid(self) -> str | None:
-        """The pid of the HAProxy worker answering on the runtime API (None: nothing answers)."""
+    async def _worker(self) -> str | None:
+        """`<pid>@<start time>` of the HAProxy worker answering on the runtime API (None: nothing
+        answers). The start time too: a container started again may give its HAProxy the same pid."""
         try:
             out = "\n".join(await self.api.run(["show info"]))
         except (OSError, asyncio.TimeoutError):
             return None
-        m = re.search(r"^Pid: (\d+)$", out, re.M)
-        return m.group(1) if m else None
+        pid = re.search(r"^Pid: (\d+)$", out, re.M)
+        start = re.search(r"^Start_time_sec: (\d+)$", out, re.M)
+        return f"{pid.group(1)}@{start.group(1) if start else ''}" if pid else None
 
     async def _follow(self, started: asyncio.Future[None]) -> None:
         """External HAProxy: wait until it answers, then give every new instance (restarted, or
@@ -363,8 +365,8 @@ class DataPlane:
         written when this server started, while the routes went on changing."""
         waited = 0.0
         while True:
-            pid = await self._worker_pid()
-            if pid is None:
+            worker = await self._worker()
+            if worker is None:
                 if not started.done() and waited >= _EXTERNAL_WAIT_S:
                     started.set_exception(CommandError(
                         f"no haproxy answered on {self.layout.admin_socket} within {_EXTERNAL_WAIT_S:.0f}s: "
@@ -372,12 +374,12 @@ class DataPlane:
                     return
                 if waited % 10.0 == 0.0:
                     log.info("waiting for the data plane component (haproxy) on %s", self.layout.admin_socket)
-            elif pid != self._instance:
+            elif worker != self._instance:
                 if self._instance is not None:
                     log.warning("haproxy behind %s is a new instance (worker %s): sending it every route",
-                                self.layout.admin_socket, pid)
+                                self.layout.admin_socket, worker)
                     self.restarts += 1
-                self._instance = pid
+                self._instance = worker
                 try:
                     await self.routes.resend()
                 except (OSError, asyncio.TimeoutError) as e:
