@@ -278,18 +278,19 @@ def wait_route(gateway_data_dir: Path, port: str, sandbox_id: str, present: bool
     return None
 
 
+def lag_of(lag: dict[str, list], kind: str, sandbox_id: str, seconds: float | None) -> None:
+    """Record one route lag (`wait_route`), or the sandbox as missed."""
+    if seconds is None:
+        lag["missed"].append(sandbox_id)
+    else:
+        lag[kind].append(seconds)
+
+
 def haproxy_pids(data_dir: Path) -> list[int]:
     """The HAProxy process serving the server on `data_dir` (none: the Python proxy serves)."""
-    config = os.fsencode(data_dir / "haproxy" / "haproxy.cfg")
-    out = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"haproxy") and config in argv:
-            out.append(int(entry.name))
-    return out
+    from agentenv.proxy.haproxy import processes_running
+
+    return processes_running(data_dir / "haproxy" / "haproxy.cfg")
 
 
 async def route_update_bench(n: int) -> dict:
@@ -1696,11 +1697,7 @@ def cluster_bench(quick: bool) -> dict:
             sbx = Sandbox.create(api_key=key, api_url=url, sandbox_url=url, timeout=120)
             dt = time.perf_counter() - t0
             if path == "direct" and i >= 2:
-                added = wait_route(gw_dir, gw_port, sbx.sandbox_id, True)
-                if added is None:
-                    lag["missed"].append(sbx.sandbox_id)
-                else:
-                    lag["add"].append(added)
+                lag_of(lag, "add", sbx.sandbox_id, wait_route(gw_dir, gw_port, sbx.sandbox_id, True))
             infos = []
             for _ in range(5):  # a cheap control call: the fixed cost of the extra hop
                 t1 = time.perf_counter()
@@ -1708,11 +1705,7 @@ def cluster_bench(quick: bool) -> dict:
                 infos.append(time.perf_counter() - t1)
             sbx.kill()
             if path == "direct" and i >= 2:
-                gone = wait_route(gw_dir, gw_port, sbx.sandbox_id, False)
-                if gone is None:
-                    lag["missed"].append(sbx.sandbox_id)
-                else:
-                    lag["remove"].append(gone)
+                lag_of(lag, "remove", sbx.sandbox_id, wait_route(gw_dir, gw_port, sbx.sandbox_id, False))
             if i >= 2:  # the first of each path warms connections and caches
                 timings[path].append(dt)
                 timings[f"{path}_info"] += infos

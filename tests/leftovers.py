@@ -135,6 +135,21 @@ class Leftovers:
         return "\n  ".join(parts) if parts else "nothing"
 
 
+def haproxy_master(config: Path) -> int | None:
+    """The HAProxy master running `config` in master-worker mode (its workers are its children)."""
+    from agentenv.proxy.haproxy import processes_running
+
+    pids = processes_running(config)
+    for pid in pids:
+        if parent_of(pid) not in pids:
+            return pid
+    return None
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def find_leftovers(
     data_dir: str | os.PathLike[str],
     *,

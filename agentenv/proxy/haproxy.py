@@ -259,6 +259,23 @@ async def backend_stats(api: RuntimeApi, backends=SANDBOX_BACKENDS) -> dict[str,
     return stats
 
 
+def processes_running(config: Path) -> list[int]:
+    """The HAProxy processes (a master and its workers, or one process) running `config`, found by
+    their command line (HAProxy in the foreground writes no pid file)."""
+    want = os.fsencode(config)
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(argv) > 1 and argv[0].endswith(b"haproxy") and want in argv:
+            found.append(int(entry.name))
+    return found
+
+
 def _is_haproxy(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"haproxy")
@@ -311,11 +328,7 @@ class DataPlane:
             return pid if pid is not None and _is_haproxy(pid) else None
         if self._pid is not None and self._is_ours(self._pid):
             return self._pid
-        self._pid = None
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit() and self._is_ours(int(entry.name)):
-                self._pid = int(entry.name)
-                break
+        self._pid = next(iter(processes_running(self.layout.config)), None)
         return self._pid
 
     def _is_ours(self, pid: int) -> bool:

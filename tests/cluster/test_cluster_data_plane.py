@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 from e2b import Sandbox
+from leftovers import haproxy_master, parent_of
 from serverproc import agentenv_executable, free_port
 from test_cluster_multinode import bindings
 
@@ -197,22 +198,6 @@ def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, 
     assert not (hp_dir / "gateway-haproxy").exists() or not any((hp_dir / "gateway-haproxy").iterdir())
 
 
-def _master_of(config: Path) -> int | None:
-    """The HAProxy master running `config` (its workers are its children)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"haproxy") and os.fsencode(config) in argv:
-            pids.append(int(entry.name))
-    for pid in pids:
-        if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) not in pids:
-            return pid
-    return None
-
-
 def test_gateway_with_haproxy_as_its_own_component(cluster, tmp_path):
     """The deployment files' gateway: `haproxy_external` with `agentenv data-plane --role gateway`
     beside it. The hop to the nodes (mutual TLS, the cluster CA) runs in the component's HAProxy;
@@ -229,8 +214,8 @@ def test_gateway_with_haproxy_as_its_own_component(cluster, tmp_path):
     try:
         gw = cluster.start_gateway({"AGENTENV_DATA_DIR": str(data), "AGENTENV_HAPROXY_EXTERNAL": "true"}, port=port)
         config = data / "gateway-haproxy" / str(port) / "haproxy.cfg"
-        master = _master_of(config)
-        assert master is not None and _ppid(master) == comp.pid, comp_log.read_text()[-2000:]
+        master = haproxy_master(config)
+        assert master is not None and parent_of(master) == comp.pid, comp_log.read_text()[-2000:]
         opts = dict(api_key=cluster.api_key, api_url=gw.url, sandbox_url=gw.url)
         sbx = Sandbox.create(timeout=300, **opts)
         deadline = time.monotonic() + 5
@@ -252,7 +237,7 @@ def test_gateway_with_haproxy_as_its_own_component(cluster, tmp_path):
 
         gw.stop()
         gw = None
-        assert comp.poll() is None and _master_of(config) is not None, "the data plane stopped with the gateway"
+        assert comp.poll() is None and haproxy_master(config) is not None, "the data plane stopped with the gateway"
     finally:
         if sbx is not None:
             Sandbox.kill(sbx.sandbox_id, **cluster.sdk_opts())
@@ -261,8 +246,5 @@ def test_gateway_with_haproxy_as_its_own_component(cluster, tmp_path):
         comp.send_signal(signal.SIGTERM)
         comp.wait(30)
     assert "haproxy stopped" in comp_log.read_text()
-    assert _master_of(config) is None
+    assert haproxy_master(config) is None
 
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])

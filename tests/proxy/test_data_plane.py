@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from e2b import Sandbox
 
+from agentenv.proxy.haproxy import processes_running
 from serverproc import new_data_dir, remove_data_dir, start_extra_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -17,18 +18,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def haproxy_pids(data_dir: Path) -> list[int]:
     """HAProxy processes running the configuration of the server on `data_dir`."""
-    config = os.fsencode(data_dir / "haproxy" / "haproxy.cfg")
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"haproxy") and config in argv:
-            pids.append(int(entry.name))
-    return pids
+    return processes_running(data_dir / "haproxy" / "haproxy.cfg")
 
 
 def test_haproxy_is_restarted_when_it_dies(server) -> None:

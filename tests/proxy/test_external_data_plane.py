@@ -26,33 +26,16 @@ from e2b import Sandbox
 
 from agentenv.proxy.haproxy import RuntimeApi, backend_stats, sock_dir_for
 from serverproc import agentenv_executable, new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
+from leftovers import haproxy_master
+from test_data_plane import haproxy_pids
 
 pytestmark = pytest.mark.skipif(not Path("/usr/sbin/haproxy").exists(), reason="haproxy is not installed")
 
 ENV = {"AGENTENV_HAPROXY_EXTERNAL": "true", "AGENTENV_POOL_SIZE": "0"}
 
 
-def haproxy_pids(data_dir: Path) -> list[int]:
-    config = os.fsencode(data_dir / "haproxy" / "haproxy.cfg")
-    out = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0") if entry.name.isdigit() else []
-        except OSError:
-            continue
-        if argv and argv[0].endswith(b"haproxy") and config in argv:
-            out.append(int(entry.name))
-    return out
-
-
 def master_pid(data_dir: Path) -> int | None:
-    """The component's HAProxy master (its workers are its children)."""
-    pids = haproxy_pids(data_dir)
-    for pid in pids:
-        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        if ppid not in pids:
-            return pid
-    return None
+    return haproxy_master(data_dir / "haproxy" / "haproxy.cfg")
 
 
 def routed(data_dir: Path) -> set[str]:
