@@ -77,8 +77,8 @@ class ClusterOrchestrator:
             self._nodes_at = time.monotonic()
         return self._nodes
 
-    async def _alive(self, node_id: str) -> NodeRecord | None:
-        n = (await self.nodes()).get(node_id)
+    async def _alive(self, node_id: str, max_age_s: float = 0.5) -> NodeRecord | None:
+        n = (await self.nodes(max_age_s)).get(node_id)
         if n is None or n.state == "dead":
             return None
         return n
@@ -225,7 +225,9 @@ class ClusterOrchestrator:
         try:
             if placed["node_id"] != rec.node_id:
                 await self.client.rpc(placed["url"], "adopt_sandbox", sandbox_id=rec.sandbox_id, from_node=rec.node_id)
-                old = await self._alive(rec.node_id)
+                # read now, not from the 0.5 s cache: a node declared dead a moment ago may be cut
+                # off, and a call to it would wait for its timeout
+                old = await self._alive(rec.node_id, max_age_s=0)
                 if old is not None:  # best effort: it also notices on its next heartbeat
                     try:
                         await self.client.rpc(old.url, "release_sandbox", sandbox_id=rec.sandbox_id,
