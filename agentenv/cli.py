@@ -870,19 +870,25 @@ def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | Non
                     keep.add(rec.sandbox_id)
                 else:
                     await c.store.delete_sandbox(rec.sandbox_id)
-            removed = await c.orchestrator.gc(keep)
+            from agentenv.orchestrator.host import GcIncomplete
             from agentenv.proxy import dataplane
 
+            try:
+                removed, failed = await c.orchestrator.gc(keep), []
+            except GcIncomplete as e:
+                removed, failed = e.removed, e.failed
             removed["haproxy"] = await dataplane.stop_leftover(settings)  # a crashed server's data plane
-            return removed
+            return removed, failed
         finally:
             reaper.cancel()
             await c.store.close()
 
     with server_lock(settings):
-        removed = asyncio.run(go())
+        removed, failed = asyncio.run(go())
     for kind, ids in removed.items():
         click.echo(f"{kind}: removed {len(ids)}" + (f" ({', '.join(ids)})" if ids else ""))
+    if failed:
+        raise click.ClickException("could not stop: " + "; ".join(failed))
 
 
 if __name__ == "__main__":

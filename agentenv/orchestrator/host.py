@@ -62,6 +62,15 @@ def policy_of(rec: SandboxRecord) -> EgressPolicy:
     return parse_policy(rec.allow_internet_access, rec.network)
 
 
+class GcIncomplete(RuntimeFailure):
+    """`SandboxHost.gc` removed what it could; these sandboxes' runtime stop failed."""
+
+    def __init__(self, removed: dict[str, list[str]], failed: list[str]) -> None:
+        super().__init__(f"gc could not stop {len(failed)} sandbox(es): {'; '.join(failed)[:2000]}")
+        self.removed = removed
+        self.failed = failed
+
+
 class SandboxHost:
     def __init__(self, settings: Settings, images, rootfs, network, runtime: Runtime, artifacts: ArtifactCache,
                  *, extra_runtimes: Iterable[Runtime] = ()) -> None:
@@ -531,10 +540,16 @@ class SandboxHost:
         for rt in self.runtimes.values():
             owner.update({sid: rt for sid in await rt.list_ids()})
         known |= set(owner)
+        failed: list[str] = []
         for sid in sorted(known - keep):
             # stop() is idempotent and also removes the sandbox's cgroups (a failed create leaves them).
             rt = owner.get(sid) or self.runtimes.get(recorded.get(sid) or "") or self.runtime
-            await rt.stop(sid)
+            try:
+                await rt.stop(sid)
+            except Exception as e:  # noqa: BLE001 - one stray must not keep the rest (or a start) back
+                log.error("gc: could not stop %s: %s", sid, e)
+                failed.append(f"{sid}: {e}")
+                continue
             if sid in owner:
                 removed["containers"].append(sid)
         await self.network.discover()
@@ -542,4 +557,6 @@ class SandboxHost:
             if await self.network.release_id(sid):
                 removed["netns"].append(sid)
         removed["rootfs"] = list(await self.rootfs.cleanup_orphans(keep))
+        if failed:
+            raise GcIncomplete(removed, failed)
         return removed

@@ -11,7 +11,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from agentenv.models import SandboxState
-from agentenv.orchestrator.host import policy_of
+from agentenv.orchestrator.host import GcIncomplete, policy_of
 
 if TYPE_CHECKING:
     from agentenv.orchestrator.service import Orchestrator
@@ -97,7 +97,10 @@ async def reconcile(orch: "Orchestrator") -> None:
                         rec.state.value)
             await host.teardown(rec.sandbox_id)
             await orch.store.delete_sandbox(rec.sandbox_id)
-    await orch.gc(keep)
+    try:
+        await orch.gc(keep)
+    except GcIncomplete as e:  # the server starts anyway: a stray must not keep every sandbox offline
+        log.error("after the restart, %s (the next gc tries again)", e.message)
     for rec in lifecycle.records():
         if rec.state == SandboxState.PAUSED:
             await host.rootfs.unmount(rec.sandbox_id)

@@ -13,6 +13,7 @@ import asyncio
 import glob
 import logging
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from agentenv.errors import RuntimeFailure
 log = logging.getLogger(__name__)
 
 CGROUP_FS = Path(CGROUP_ROOT)
+# A stopped sandbox's group still busy after this long has strays in it (`remove`).
+KILL_AFTER_S = 1.0
 
 
 def weigh_sandboxes_cpu(weight: int) -> str | None:
@@ -78,11 +81,18 @@ def place(sandbox_id: str, pid: int, weight: int) -> Path | None:
 
 async def remove(sandbox_id: str, wait_s: float = 5.0) -> None:
     """Remove `/agentenv/<sandbox_id>` (and groups nested in it) in every controller, once its
-    processes are gone: a group is busy (EBUSY) for a moment after its last process exited."""
+    processes are gone: a group is busy (EBUSY) for a moment after its last process exited.
+
+    Called when the sandbox is stopped, so whatever still runs in its group after `KILL_AFTER_S`
+    belongs to nobody: e.g. a runsc sandbox or gofer whose runsc state a crashed server left half
+    written, which `runsc delete` no longer knows. Those processes are killed (logged), then the
+    group goes; only a group still busy `wait_s` after that is an error."""
     dirs = glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
         glob.glob(str(CGROUP_FS / CGROUP_PARENT / sandbox_id))
-    deadline = time.monotonic() + wait_s
+    t0 = time.monotonic()
+    deadline = t0 + wait_s
     for d in dirs:
+        killed = False
         while True:
             try:
                 # Children first (runsc may create nested groups); rmdir only works on empty groups.
@@ -93,6 +103,29 @@ async def remove(sandbox_id: str, wait_s: float = 5.0) -> None:
             except FileNotFoundError:
                 break
             except OSError as e:  # EBUSY while the last sandbox processes exit
+                if not killed and time.monotonic() - t0 > KILL_AFTER_S:
+                    killed = True
+                    n = kill_members(Path(d))
+                    if n:
+                        log.warning("sandbox %s: %d process(es) outlived it in %s; killed", sandbox_id, n, d)
+                        deadline = time.monotonic() + wait_s
                 if time.monotonic() > deadline:
                     raise RuntimeFailure(f"cannot remove cgroup {d}: {e}") from e
                 await asyncio.sleep(0.05)
+
+
+def kill_members(group: Path) -> int:
+    """SIGKILL every process in `group` and the groups nested in it; returns how many."""
+    n = 0
+    for procs in [group / "cgroup.procs", *group.rglob("*/cgroup.procs")]:
+        try:
+            pids = [int(x) for x in procs.read_text().split()]
+        except (OSError, ValueError):
+            continue
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                n += 1
+            except ProcessLookupError:
+                pass
+    return n
