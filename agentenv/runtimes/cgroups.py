@@ -79,14 +79,17 @@ def place(sandbox_id: str, pid: int, weight: int) -> Path | None:
     return d
 
 
-async def remove(sandbox_id: str, wait_s: float = 5.0) -> None:
+async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0) -> None:
     """Remove `/agentenv/<sandbox_id>` (and groups nested in it) in every controller, once its
     processes are gone: a group is busy (EBUSY) for a moment after its last process exited.
 
-    Called when the sandbox is stopped, so whatever still runs in its group after `KILL_AFTER_S`
-    belongs to nobody: e.g. a runsc sandbox or gofer whose runsc state a crashed server left half
-    written, which `runsc delete` no longer knows. Those processes are killed (logged), then the
-    group goes; only a group still busy `wait_s` after that is an error."""
+    Called when the sandbox is stopped. `owner`: what the command line of this runtime's processes
+    of the sandbox contains (runsc's `--root`, a VM's bundle dir). Those still in its group after
+    `KILL_AFTER_S` outlived the stop: e.g. a runsc sandbox or gofer whose runsc state a crashed
+    server left half written, which `runsc delete` no longer knows. They are killed (logged), then
+    the group goes. Nothing else is: the group's name is the sandbox id, and another server on the
+    same host may run that sandbox now (a paused sandbox moved between two nodes of one host).
+    A group still busy `wait_s` after that is an error."""
     dirs = glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
         glob.glob(str(CGROUP_FS / CGROUP_PARENT / sandbox_id))
     t0 = time.monotonic()
@@ -103,9 +106,9 @@ async def remove(sandbox_id: str, wait_s: float = 5.0) -> None:
             except FileNotFoundError:
                 break
             except OSError as e:  # EBUSY while the last sandbox processes exit
-                if not killed and time.monotonic() - t0 > KILL_AFTER_S:
+                if owner and not killed and time.monotonic() - t0 > KILL_AFTER_S:
                     killed = True
-                    n = kill_members(Path(d))
+                    n = kill_members(Path(d), owner)
                     if n:
                         log.warning("sandbox %s: %d process(es) outlived it in %s; killed", sandbox_id, n, d)
                         deadline = time.monotonic() + wait_s
@@ -114,8 +117,10 @@ async def remove(sandbox_id: str, wait_s: float = 5.0) -> None:
                 await asyncio.sleep(0.05)
 
 
-def kill_members(group: Path) -> int:
-    """SIGKILL every process in `group` and the groups nested in it; returns how many."""
+def kill_members(group: Path, owner: str) -> int:
+    """SIGKILL every process in `group` (and the groups nested in it) whose command line contains
+    `owner`; returns how many."""
+    mark = os.fsencode(owner)
     n = 0
     for procs in [group / "cgroup.procs", *group.rglob("*/cgroup.procs")]:
         try:
@@ -124,8 +129,10 @@ def kill_members(group: Path) -> int:
             continue
         for pid in pids:
             try:
+                if mark not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    continue
                 os.kill(pid, signal.SIGKILL)
                 n += 1
-            except ProcessLookupError:
+            except (ProcessLookupError, FileNotFoundError):
                 pass
     return n

@@ -467,7 +467,7 @@ class GVisorRuntime:
             res = await self._runsc("delete", "--force", sandbox_id, check=False)
             if res.returncode != 0 and await self._state(sandbox_id) is not None:
                 raise RuntimeFailure(f"runsc delete {sandbox_id} failed: {res.stderr.strip()[-1000:]}")
-        await cgroups.remove(sandbox_id)
+        await cgroups.remove(sandbox_id, owner=f"--root={self.root}")
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Stop our containers not in `keep` and remove empty agentenv cgroups left by failed creates.

@@ -521,7 +521,7 @@ class QemuRuntime:
     async def stop(self, sandbox_id: str) -> None:
         await self._kill(sandbox_id)
         self._qmp_locks.pop(sandbox_id, None)
-        await cgroups.remove(sandbox_id)
+        await cgroups.remove(sandbox_id, owner=str(self._bundle(sandbox_id)))
         b = self._bundle(sandbox_id)
         for f in ("qmp.sock", "qemu.pid"):
             try:
