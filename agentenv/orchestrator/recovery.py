@@ -93,8 +93,10 @@ async def reconcile(orch: "Orchestrator") -> None:
             await stand_down(rec.sandbox_id, rec.runtime)
             log.info("paused sandbox %s is resumable", rec.sandbox_id)
         else:
-            log.warning("dropping sandbox %s (state %s) that did not survive the restart", rec.sandbox_id,
-                        rec.state.value)
+            why = ("no network slot" if slot is None else "its runtime is not served here" if rt is None
+                   else f"runtime state {await rt.state(rec.sandbox_id)!r}")
+            log.warning("dropping sandbox %s (state %s) that did not survive the restart (%s)", rec.sandbox_id,
+                        rec.state.value, why if rec.state == SandboxState.RUNNING else "not running")
             await host.teardown(rec.sandbox_id)
             await orch.store.delete_sandbox(rec.sandbox_id)
     try:
