@@ -85,9 +85,9 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
 
     Called when the sandbox is stopped. `owner`: what the command line of this runtime's processes
     of the sandbox contains (runsc's `--root`, a VM's bundle dir). Those still in its group after
-    `KILL_AFTER_S` outlived the stop: e.g. a runsc sandbox or gofer whose runsc state a crashed
-    server left half written, which `runsc delete` no longer knows. They are killed (logged), then
-    the group goes. Nothing else is: the group's name is the sandbox id, and another server on the
+    `KILL_AFTER_S` outlived the stop (`runsc delete` did not end them; seen for a sandbox a restarted
+    server's recovery dropped, whose EBUSY then aborted the server's start). They are killed
+    (logged), then the group goes. Nothing else is: the group's name is the sandbox id, and another server on the
     same host may run that sandbox now (a paused sandbox moved between two nodes of one host).
     A group still busy `wait_s` after that is an error."""
     dirs = glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \

@@ -1,9 +1,9 @@
 """A stopped sandbox's cgroup goes even when a process of it outlived its runtime (`runtimes/cgroups.py`),
 and a process of the same sandbox id that is not this runtime's is never touched.
 
-Seen in CI: a server killed mid-fork left a child's runsc sandbox running with a half-written runsc
-state; after the restart `runsc delete` no longer knew it, its group stayed busy, and the EBUSY
-stopped the restarted server's recovery, i.e. the whole server. And in the cluster tests (three
+Seen in CI: after a server killed mid-fork restarted, its recovery dropped a sandbox whose runsc
+processes `runsc delete` did not end; the group stayed busy, and the EBUSY stopped the recovery,
+i.e. the whole server. And in the cluster tests (three
 nodes on one host): a paused sandbox moved from node C to node A runs in the group of the same name,
 so C's release of its old copy must leave A's processes alone.
 """
