@@ -25,12 +25,12 @@ import signal
 from pathlib import Path
 
 from agentenv.proc import run_cmd
+from agentenv.proxy.haproxy import _RESTART_DELAY_S
 from agentenv.proxy.haproxy_conf import HaproxyLayout
 
 log = logging.getLogger(__name__)
 
 CHECK_S = 1.0
-_RESTART_DELAY_S = (0.5, 1.0, 2.0, 5.0)
 
 
 def _digest(path: Path) -> str | None:
