@@ -43,11 +43,14 @@ async def run_cmd(
     output_file: IO[bytes] | None = None,
     what: str | None = None,
     errors: str = "replace",
+    new_session: bool = False,
 ) -> CmdResult:
     """Run `argv`, kill it (by PID) on timeout, log the command line and duration at debug level.
 
     With `output_file`, stdout+stderr go there instead of pipes: needed for commands that leave
-    long-lived children holding their stdio (a pipe would never reach EOF).
+    long-lived children holding their stdio (a pipe would never reach EOF). With `new_session`, a
+    signal to the caller's process group (Ctrl-C in a terminal, a kill of the group) does not reach
+    it: for commands that must not die half-way (runsc saving a container's state).
     """
     argv = [os.fspath(a) for a in argv]
     start = time.monotonic()
@@ -60,6 +63,7 @@ async def run_cmd(
         stdin=asyncio.subprocess.PIPE if input is not None else asyncio.subprocess.DEVNULL,
         stdout=out,
         stderr=err,
+        start_new_session=new_session,
     )
     try:
         stdout_b, stderr_b = await asyncio.wait_for(proc.communicate(input), timeout)

@@ -15,6 +15,10 @@ epoll servers, `checkpoint --leave-running`, `--net-disconnect-ok`. What this mo
   first, by a throw-away checkpoint while the sandbox runs, when the caller says there are any.
 - run/restore leave children holding the CLI's stdio: output goes to a file, never a pipe.
 - A failed create leaves cgroup directories behind: stop() removes them.
+- runsc saves a container's state file non-atomically; a runsc command killed while saving it
+  leaves the sandbox unmanageable. runsc commands run in a session of their own (a signal to the
+  server's process group does not reach them), and a cut state file is put back from the state
+  agentenv expected (`gvisor_state`).
 - Root must be writable in the spec (readonly=true gives EROFS); the host overlayfs rootfs plus
   `--overlay2=none` keeps checkpoints small and restorable.
 - Container ids are matched by prefix by runsc: agentenv's ids have a fixed length.
@@ -48,6 +52,7 @@ from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
 from agentenv.runtimes import cgroups
 from agentenv.runtimes.cgroups import CGROUP_FS, weigh_sandboxes_cpu
 from agentenv.runtimes.gvisor_platform import MIN_RELEASE, PlatformChoice, choose_platform, default_cache_dir
+from agentenv.runtimes.gvisor_state import StateFiles, unreadable_state_file
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +210,7 @@ class GVisorRuntime:
         # sandbox id -> the bundle it was run or restored from by this process: a capture needs its
         # netns and console log, and asking `runsc state` costs a runsc start (~20 ms) each time.
         self._bundles: dict[str, Path] = {}
+        self._states = StateFiles(self.root)
 
     # ---------------------------------------------------------------- plumbing
 
@@ -260,17 +266,29 @@ class GVisorRuntime:
                     netns_path, *argv]
         what = f"runsc {args[0]}"
         t0 = time.monotonic()
-        if output_file is not None:
-            with open(output_file, "ab") as f:
-                f.write(f"--- runsc {' '.join(args)} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
-                f.flush()
-                res = await run_cmd(argv, timeout=timeout, check=False, output_file=f, what=what)
-            if res.returncode != 0 and check:
-                raise RuntimeFailure(f"{what} failed (rc={res.returncode}): {_tail(output_file)}")
-        else:
-            res = await run_cmd(argv, timeout=timeout, check=check, what=what)
+        for attempt in range(2):
+            if output_file is not None:
+                with open(output_file, "ab") as f:
+                    f.write(f"--- runsc {' '.join(args)} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode())
+                    f.flush()
+                    res = await run_cmd(argv, timeout=timeout, check=False, output_file=f, what=what,
+                                        new_session=True)
+                error = _tail(output_file) if res.returncode != 0 else ""
+            else:
+                res = await run_cmd(argv, timeout=timeout, check=False, what=what, new_session=True)
+                error = (res.stderr.strip() or res.stdout.strip())[-2000:] if res.returncode != 0 else ""
+            cut = unreadable_state_file(error) if error else None
+            if attempt or cut is None or not await asyncio.to_thread(self._states.repair, cut):
+                break
+        if res.returncode != 0 and check:
+            raise RuntimeFailure(f"{what} failed (rc={res.returncode}): {error}")
         log.debug("runsc %s took %.3fs", " ".join(args), time.monotonic() - t0)
         return res
+
+    async def _set_status(self, command: str, sandbox_id: str, *, check: bool = True) -> CmdResult:
+        """`runsc pause|resume <id>`, with the state it will save kept first (`gvisor_state`)."""
+        self._states.expect(sandbox_id, {"pause": "paused", "resume": "running"}[command])
+        return await self._runsc(command, sandbox_id, check=check)
 
     async def _state(self, sandbox_id: str) -> dict[str, Any] | None:
         res = await self._runsc("state", sandbox_id, check=False)
@@ -403,9 +421,9 @@ class GVisorRuntime:
         return t_end - t0
 
     async def _thaw(self, sandbox_id: str) -> None:
-        res = await self._runsc("resume", sandbox_id, check=False)
+        res = await self._set_status("resume", sandbox_id, check=False)
         if res.returncode != 0 and await self.state(sandbox_id) != "running":
-            res = await self._runsc("resume", sandbox_id, check=False)  # once more, then say so
+            res = await self._set_status("resume", sandbox_id, check=False)  # once more, then say so
             if res.returncode != 0:
                 raise RuntimeFailure(f"runsc resume {sandbox_id} after its checkpoint failed: "
                                      f"{res.stderr.strip()[-500:]}")
@@ -422,6 +440,7 @@ class GVisorRuntime:
             scratch = image_dir.with_name(image_dir.name + ".reset")
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
+            self._states.expect(sandbox_id)  # a checkpoint that leaves it running saves it as it was
             try:
                 res = await self._runsc("checkpoint", "--leave-running", f"--image-path={scratch}", compression,
                                         sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
@@ -432,7 +451,8 @@ class GVisorRuntime:
                 await self._refused(sandbox_id, log_file, "resetting its connections", frozen=False)
             await asyncio.sleep(RESET_SETTLE_S)
         self._frozen_at[sandbox_id] = time.monotonic()
-        await self._runsc("pause", sandbox_id)
+        await self._set_status("pause", sandbox_id)
+        self._states.expect(sandbox_id)
         res = await self._runsc("checkpoint", "--leave-running", f"--image-path={image_dir}", compression,
                                 sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
                                 output_file=log_file, check=False)
@@ -450,7 +470,7 @@ class GVisorRuntime:
         if full:  # runsc 20240729 reports a write failing with ENOSPC as a nil-pointer panic
             why = f"{full} ({why[:200]})"
         if frozen:
-            await self._runsc("resume", sandbox_id, check=False)
+            await self._set_status("resume", sandbox_id, check=False)
         if await self.state(sandbox_id) == "running":
             raise CaptureRefused(f"gVisor could not checkpoint the sandbox ({step}): {why}; "
                                  "the sandbox keeps running unchanged")
@@ -468,6 +488,10 @@ class GVisorRuntime:
             if res.returncode != 0 and await self._state(sandbox_id) is not None:
                 raise RuntimeFailure(f"runsc delete {sandbox_id} failed: {res.stderr.strip()[-1000:]}")
         await cgroups.remove(sandbox_id, owner=f"--root={self.root}")
+        # a state file runsc cannot read (cut by a killed runsc, nothing to put back): its processes
+        # are gone with the cgroup; what runsc keeps of it would be listed forever
+        self._states.remove(sandbox_id)
+        self._states.forget(sandbox_id)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Stop our containers not in `keep` and remove empty agentenv cgroups left by failed creates.
@@ -502,10 +526,10 @@ class GVisorRuntime:
         return st is not None and st.get("status") in ("running", "paused")
 
     async def pause(self, sandbox_id: str) -> None:
-        await self._runsc("pause", sandbox_id)
+        await self._set_status("pause", sandbox_id)
 
     async def resume(self, sandbox_id: str) -> None:
-        await self._runsc("resume", sandbox_id)
+        await self._set_status("resume", sandbox_id)
 
     async def list_ids(self) -> list[str]:
         if not self.root.exists():

@@ -403,6 +403,26 @@ def _read(path: Path) -> str:
         return ""
 
 
+def _image_written(image_dir: Path) -> bool:
+    """The capture's memory image dir holds files (its checkpoint wrote them)."""
+    try:
+        return any(image_dir.iterdir())
+    except OSError:
+        return False
+
+
+def _runsc_running(sid: str, command: str) -> bool:
+    """A `runsc <command> ... <sid>` process is running."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"runsc") and command.encode() in argv and sid.encode() in argv:
+            return True
+    return False
+
+
 def _runsc_status(data_dir: Path, sid: str) -> str | None:
     res = subprocess.run(["runsc", f"--root={data_dir / 'run' / 'runsc'}", "state", sid],
                          capture_output=True, text=True, timeout=20)
@@ -412,13 +432,18 @@ def _runsc_status(data_dir: Path, sid: str) -> str | None:
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("when", ["frozen", "journaled", "sealed", "sealing-running"])
+@pytest.mark.parametrize("when", ["frozen", "journaled", "sealed", "pausing-running", "checkpointing-running",
+                                  "sealing-running"])
 def test_server_killed_mid_fork_keeps_source(server, when):
     """kill -9 of the server's process group mid-fork: `frozen` while the source is frozen for its
     checkpoint, `journaled` once the checkpoint is written (the source is stopped, its capture
     journal names the image), `sealed` once the image is sealed and the source is being restored
     from it (these three on the capture that stops the source: AGENTENV_CAPTURE_RUNNING=false);
-    `sealing-running` while a capture that left the source running seals its image. After a
+    on the capture that leaves the source running: `pausing-running` during its `runsc pause`,
+    `checkpointing-running` during its `runsc checkpoint --leave-running`, `sealing-running` once
+    it is thawed and its image is sealed (CI's kills landed around the first, 0.04 s in, while the
+    last one's landing test did not look at the image; a runsc killed saving its state file lost
+    the source: test_restart_after_runsc_was_killed_saving_the_state). After a
     restart the source is RUNNING or PAUSED with its state, and no capture journal (or scratch
     copy) is left to resurrect an old image later."""
     d = new_data_dir(f"forkcrash-{when}")
@@ -452,8 +477,13 @@ def test_server_killed_mid_fork_keeps_source(server, when):
                 landed = "checkpoint written (capture journal present)"
             elif when == "sealed" and '"memory"' in _read(sdir / "capture.json"):
                 landed = "image sealed, source being restored (journal names the memory image)"
-            elif when == "sealing-running" and (sdir / "capture").is_dir() \
-                    and not (sdir / "capture-upper").exists() and _runsc_status(d, sid) == "running":
+            elif when == "pausing-running" and _runsc_running(sid, "pause"):
+                landed = "`runsc pause` of the source (for its image) under way"
+            elif when == "checkpointing-running" and _runsc_running(sid, "checkpoint"):
+                landed = "`runsc checkpoint --leave-running` of the source under way"
+            elif when == "sealing-running" and _image_written(sdir / "capture") \
+                    and not (sdir / "capture-upper").exists() and not _runsc_running(sid, "checkpoint") \
+                    and _runsc_status(d, sid) == "running":
                 landed = "source thawed, its image being sealed"
             else:
                 time.sleep(0.005)
@@ -497,6 +527,41 @@ def test_server_killed_mid_fork_keeps_source(server, when):
         stop_unchecked(second, first)
         if pgid is not None:
             _kill_group(pgid)
+        remove_data_dir(d)
+
+
+@pytest.mark.timeout(300)
+def test_restart_after_runsc_was_killed_saving_the_state(server):
+    """A runsc command killed while it saved the container's state (a crash with the server's whole
+    cgroup, a timeout) leaves runsc's state file empty, and runsc refuses every command on the live
+    sandbox. The restarted server used to drop it; now it puts back the state it expected and the
+    sandbox runs on with its memory and files."""
+    d = new_data_dir("cut-state")
+    key = new_api_key()
+    first = second = None
+    try:
+        first = start_extra_server(d, api_key=key, log_name="server-1.log")
+        sbx, before = _prepare(first)
+        sid = sbx.sandbox_id
+        first.known_ids.add(sbx.fork(count=1, timeout=TIMEOUT_S)[0].sandbox_id)  # a capture: pause, resume
+        _kill_group(first.pid)
+        first.proc.wait(timeout=30)
+        first.stopped = True
+        state_file, = (d / "run" / "runsc").glob(f"{sid}_sandbox:*.state")
+        state_file.write_bytes(b"")  # what the kill inside runsc's truncate-then-write leaves
+        assert _runsc_status(d, sid) is None
+        second = start_extra_server(d, api_key=key, log_name="server-2.log")
+        second.known_ids |= first.known_ids
+        again = Sandbox.connect(sid, timeout=TIMEOUT_S, **second.sdk_opts())
+        _assert_intact(second, again, before, "after a restart that found runsc's state file cut")
+        assert "was cut short" in second.log_tail(60)
+        for cid in list(second.known_ids):
+            _kill(second, cid)
+        problems = second.stop()
+        second = None
+        assert not problems, problems
+    finally:
+        stop_unchecked(second, first)
         remove_data_dir(d)
 
 

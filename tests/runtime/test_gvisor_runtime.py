@@ -339,3 +339,46 @@ async def test_host_processes_run_first_when_sandboxes_saturate_the_cpu(kit: San
     assert share >= 0.85, share
     await kit.destroy(box)
     await assert_gone(kit, box)
+
+
+def _cut_state_file(kit: SandboxKit, sandbox_id: str) -> Path:
+    """What a runsc command killed while saving the container's state leaves: runsc truncates the file
+    and then writes it (measured with random SIGKILLs of `runsc pause`/`resume`: an empty file)."""
+    path, = Path(kit.rt.root).glob(f"{sandbox_id}_sandbox:*.state")
+    path.write_bytes(b"")
+    probe = run("runsc", f"--root={kit.rt.root}", "state", sandbox_id, check=False)
+    assert probe.returncode != 0 and "unexpected end of JSON input" in probe.stderr, probe.stderr
+    return path
+
+
+async def test_state_file_cut_by_a_killed_runsc_is_put_back(kit: SandboxKit):
+    """A cut state file made runsc refuse every command on a live sandbox (a restarted server then
+    dropped it): the state agentenv expected before the pause or resume is put back."""
+    box, _ = await kit.start()
+    sid = box.sandbox_id
+    await kit.rt.pause(sid)
+    _cut_state_file(kit, sid)
+    assert await kit.rt.state(sid) == "paused"  # the status the killed `runsc pause` was saving
+    await kit.rt.resume(sid)
+    assert http_get(box.slot.host_ip, "/count")["count"] >= 1
+    await kit.rt.pause(sid)
+    await kit.rt.resume(sid)
+    _cut_state_file(kit, sid)
+    assert await kit.rt.is_alive(sid)
+    assert await kit.rt.state(sid) == "running"
+    assert http_get(box.slot.host_ip, "/count")["count"] >= 2
+    await kit.destroy(box)
+    await assert_gone(kit, box)
+    assert not list(Path(kit.rt.root).glob(f"**/{sid}*")), "runsc's or agentenv's state of the sandbox is left"
+
+
+async def test_stop_of_a_sandbox_whose_state_cannot_be_put_back_leaves_nothing(kit: SandboxKit):
+    """A state file cut with nothing to put back (a runsc killed while creating the container): runsc
+    cannot delete it, so stop kills its processes and removes what runsc keeps of it."""
+    box, _ = await kit.start()
+    sid = box.sandbox_id
+    _cut_state_file(kit, sid)
+    assert await kit.rt.state(sid) is None
+    await kit.destroy(box)
+    await assert_gone(kit, box)
+    assert not list(Path(kit.rt.root).glob(f"*{sid}*")), "runsc's state, lock or socket of the sandbox is left"
