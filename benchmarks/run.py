@@ -695,8 +695,10 @@ class Raw:
         finally:
             await self.rt.stop(sid)
 
-    async def restore_into(self, sid: str, image: Path) -> dict:
-        """Restore `image` as container `sid` (existing slot after deactivate, or a new one)."""
+    async def restore_into(self, sid: str, image: Path, envd: bool = False) -> dict:
+        """Restore `image` as container `sid` (existing slot after deactivate, or a new one); first
+        answer: TCP, or envd's GET /health for a container started with envd."""
+        from agentenv.orchestrator import envd_client
         t0 = time.monotonic()
         slot = self.live.get(sid)
         if slot is None:
@@ -705,10 +707,13 @@ class Raw:
             await self.net.deactivate(slot)
             rootfs = self.rootfs.rootfs_path(sid)
         t1 = time.monotonic()
-        await self.rt.restore(self.spec(sid, rootfs, slot), image)
+        await self.rt.restore(self.spec(sid, rootfs, slot, envd=envd), image)
         t2 = time.monotonic()
         await self.net.activate(slot)
-        await self.wait_answer(slot.host_ip)
+        if envd:
+            await envd_client.wait_healthy(slot.host_ip)
+        else:
+            await self.wait_answer(slot.host_ip)
         t3 = time.monotonic()
         return {"total": t3 - t0, "prepare": t1 - t0, "runsc_restore": t2 - t1, "to_answer": t3 - t2}
 
@@ -913,20 +918,26 @@ class Bench:
                     self.Sandbox.kill(sbx.sandbox_id)
                 except Exception:  # noqa: BLE001
                     pass
-        ck, rs = [], []
+        # The raw steps twice: a bare container (a tiny TCP server), and one running envd as a sandbox
+        # does, whose memory image is the size of a sandbox's (what a resume restores).
+        raw: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}
         img = self.raw.root / "ckpt-pr"
         for _ in range(reps):
-            sid, _ph = self.raw.run(self.raw.start())
-            try:
-                ck.append(self.raw.run(self.raw.checkpoint(sid, img)))
-                rs.append(self.raw.run(self.raw.restore_into(sid, img))["total"])
-            finally:
-                self.raw.run(self.raw.destroy(sid))
+            for envd, (ck, rs) in raw.items():
+                sid, _ph = self.raw.run(self.raw.start(envd=envd))
+                try:
+                    ck.append(self.raw.run(self.raw.checkpoint(sid, img)))
+                    rs.append(self.raw.run(self.raw.restore_into(sid, img, envd=envd))["total"])
+                finally:
+                    self.raw.run(self.raw.destroy(sid))
         shutil.rmtree(img, ignore_errors=True)
         self.results["pause_resume"] = {"ours_pause": stats(pause), "ours_connect": stats(resume),
                                         "ours_connect_to_first_cmd": stats(first),
                                         "ours_connect_right_after_pause_to_first_cmd": stats(right_after),
-                                        "raw_checkpoint": stats(ck), "raw_restore_to_answer": stats(rs)}
+                                        "raw_checkpoint": stats(raw[False][0]),
+                                        "raw_restore_to_answer": stats(raw[False][1]),
+                                        "raw_envd_checkpoint": stats(raw[True][0]),
+                                        "raw_envd_restore_to_answer": stats(raw[True][1])}
 
     # 4b -----------------------------------------------------------------
     def bench_fork(self) -> None:
@@ -1465,7 +1476,9 @@ def report(res: dict) -> str:
                          ("**agentenv** the same, right after the pause (waits for its stand-down)",
                           "ours_connect_right_after_pause_to_first_cmd"),
                          ("**raw** `runsc checkpoint` (bare container)", "raw_checkpoint"),
-                         ("**raw** `runsc restore` → first TCP answer", "raw_restore_to_answer")]:
+                         ("**raw** `runsc restore` → first TCP answer", "raw_restore_to_answer"),
+                         ("**raw** `runsc checkpoint` (container running envd, as a sandbox)", "raw_envd_checkpoint"),
+                         ("**raw** `runsc restore` → envd's first `/health` answer", "raw_envd_restore_to_answer")]:
             st = p.get(k)
             if st:
                 L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['max'])} |")

@@ -14,6 +14,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentenv.runtimes.gvisor_state import EXPECTED_DIR
+
 # Servers started by the tests inherit AGENTENV_INSTANCE (and need their own AGENTENV_SLOT_SUBNET);
 # the names below follow agentenv.network.slots.SlotNames so parallel sessions never see each other.
 INSTANCE = os.environ.get("AGENTENV_INSTANCE", "")
@@ -42,7 +44,11 @@ def runsc_containers(data_dir: str | os.PathLike[str]) -> list[str]:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"runsc list failed ({proc.returncode}): {proc.stderr.strip()}")
-    return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    listed = [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+    # the state agentenv keeps for a container's next status change (runtimes/gvisor_state.py) goes with it
+    kept = sorted(root.glob(f"{EXPECTED_DIR}/*.json"))
+    return listed + [f"<expected state of {p.stem}, a container runsc no longer has>" for p in kept
+                     if p.stem not in listed]
 
 
 def _ours(name: str) -> bool:

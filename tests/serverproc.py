@@ -105,8 +105,9 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _group_members(pgid: int) -> str:
-    """`pid: command line` of each process in the group (what a failed check names)."""
+def _group_members(pgid: int) -> list[str]:
+    """`pid: command line` of each live process in the group (what a failed check names); a zombie
+    (a process that exited as the server did, which init reaps) is no process left running."""
     found = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -114,12 +115,15 @@ def _group_members(pgid: int) -> str:
         try:
             if os.getpgid(int(name)) != pgid:
                 continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             found.append(f"{name}: {cmdline[:200]}")
-        except OSError:
+        except (OSError, IndexError):
             continue
-    return "; ".join(found) or "(gone meanwhile)"
+    return found
 
 
 @dataclass
@@ -216,9 +220,10 @@ def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:
     else:
         problems.append(f"server {proc.pid} had already exited with code {proc.returncode}")
     if _group_alive(pgid):
-        if proc.poll() is not None:
+        left = _group_members(pgid) if proc.poll() is not None else []
+        if left:
             problems.append(f"server {proc.pid} exited but left processes in its process group; killed: "
-                            f"{_group_members(pgid)}")
+                            f"{'; '.join(left)}")
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
