@@ -52,8 +52,24 @@ def merging_pages(sandbox_id: str) -> dict[str, object]:
     return {"merging_mib": round(merged * 4 / 1024, 1), "merge_any": sorted(modes)}
 
 
+def pss_parts(sandbox_id: str) -> dict[str, float]:
+    """PSS of the sandbox's processes by kind: anonymous (what KSM can merge) and shmem (memfds, which
+    it never scans: gVisor keeps the sandbox's memory in one)."""
+    parts = {"Pss_Anon:": 0, "Pss_Shmem:": 0, "Pss_File:": 0}
+    for pid in bench.procs_of(sandbox_id):
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                key, _, rest = line.partition(" ")
+                if key in parts:
+                    parts[key] += int(rest.split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return {f"{k[4:-1].lower()}_mib": round(v / 1024, 1) for k, v in parts.items()}
+
+
 def measure(ids: dict[str, str]) -> dict[str, dict]:
-    return {role: {"pss_mib": round(bench.sandbox_pss_mb(sid)[0], 1), **merging_pages(sid)} for role, sid in ids.items()}
+    return {role: {"pss_mib": round(bench.sandbox_pss_mb(sid)[0], 1), **pss_parts(sid), **merging_pages(sid)}
+            for role, sid in ids.items()}
 
 
 def main() -> int:
@@ -112,7 +128,13 @@ def main() -> int:
     bench.RESULTS.mkdir(parents=True, exist_ok=True)
     tag = "ksm-" + started.replace(":", "").replace("-", "")
     (bench.RESULTS / f"{tag}.json").write_text(json.dumps(res, indent=1, default=str))
-    print(json.dumps({k: res.get(k) for k in ("before", "after", "errors") if k in res}, indent=1))
+    for when in ("before", "after"):
+        for role, m in (res.get(when) or {}).get("sandboxes", {}).items():
+            print(f"{when:6} {role:7} PSS {m['pss_mib']:6.1f} MiB (anon {m['anon_mib']}, shmem {m['shmem_mib']}, "
+                  f"file {m['file_mib']}); KSM merged {m['merging_mib']} MiB; merge-any {m['merge_any']}")
+        print(f"{when:6} KSM {(res.get(when) or {}).get('ksm')}")
+    for e in res.get("errors", []):
+        print(e)
     return rc
 
 

@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from agentenv.constants import GUEST_MAC  # noqa: E402
 
 BENCH_DIR = Path(os.environ.get("AGENTENV_BENCH_DATA_DIR", "/var/tmp/agentenv-bench"))
 TEST_IMAGES = Path(os.environ.get("AGENTENV_BENCH_IMAGES_FROM", "/var/tmp/agentenv-test/images"))
@@ -672,7 +673,7 @@ class Raw:
         t1 = time.monotonic()
         await self.rt.start(self.spec(sid, rootfs, slot, mem_mb, envd=envd))
         t2 = time.monotonic()
-        await self.net.activate(slot)
+        await self.net.activate(slot, guest_mac=GUEST_MAC)  # as the server does (host.launch)
         if envd:
             await envd_client.wait_healthy(slot.host_ip)
         else:
@@ -709,7 +710,7 @@ class Raw:
         t1 = time.monotonic()
         await self.rt.restore(self.spec(sid, rootfs, slot, envd=envd), image)
         t2 = time.monotonic()
-        await self.net.activate(slot)
+        await self.net.activate(slot, guest_mac=GUEST_MAC)  # as the server does (host.launch)
         if envd:
             await envd_client.wait_healthy(slot.host_ip)
         else:
