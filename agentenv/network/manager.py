@@ -396,15 +396,7 @@ class NetworkManager:
             await ns.addr("add", index=eth0, address=constants.GUEST_IP, prefixlen=p)
             await ns.addr("add", index=gw0, address=constants.GUEST_GATEWAY_IP, prefixlen=p)
             await ns.addr("add", index=host0, address=slot.host_ip, prefixlen=30)
-            # Both ends of the host-facing veth know each other's MAC for good: no ARP on it. With
-            # ARP, now and then every connection to a just-restored sandbox went unanswered for ~1 s
-            # (the default ARP retry) although the guest's side had permanent neighbours already
-            # (measured on the dev server: 1 of 40 creates, envd's health check answered after
-            # 1.03 s; none in 230 creates and resumes with these entries).
-            await root.neigh("replace", dst=slot.host_ip, lladdr=await _mac(ns, host0), ifindex=idx,
-                             state=NUD_PERMANENT)
-            await ns.neigh("replace", dst=slot.peer_ip, lladdr=await _mac(root, idx), ifindex=host0,
-                           state=NUD_PERMANENT)
+            await _host_neighbours(slot, root, idx, ns, host0)
             # Only eth0 and lo are up: runsc takes over every UP interface and copies its routes to the
             # guest. A down lo would leave the guest without 127.0.0.1 (runsc skips down links).
             await ns.link("set", index=eth0, state="up")
@@ -453,7 +445,7 @@ class NetworkManager:
         `guest_mac`: the guest's MAC when the runtime takes eth0's (gVisor), as a permanent neighbour
         of gw0: the slot's kernel then never ARPs for the guest. A just-restored guest missed those
         requests now and then, and every connection to it waited ~1 s for the next round."""
-        async with _netlink(netns=slot.netns) as ns:
+        async with _netlink(netns=slot.netns) as ns, _netlink() as root:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
                 await ns.link("set", index=idx, state="up")
@@ -462,6 +454,9 @@ class NetworkManager:
                 await ns.neigh("replace", dst=constants.GUEST_IP, lladdr=guest_mac, ifindex=gw0, state=NUD_PERMANENT)
 
             host0 = (await ns.link_lookup(ifname=NS_HOST_LINK))[0]
+            # a link taken down (`deactivate`) lost its neighbours, permanent ones too
+            (veth_host,) = await root.link_lookup(ifname=slot.veth_host)
+            await _host_neighbours(slot, root, veth_host, ns, host0)
             # runsc stripped eth0's address (and with it the guest default route); the netns kernel
             # now routes everything that is not the guest /30 back to the host.
             await ns.route("replace", dst="0.0.0.0/0", gateway=slot.peer_ip, oif=host0)
@@ -556,6 +551,18 @@ def _scan_kernel_sync(host_table: str) -> tuple[list, str]:
     res = subprocess.run(["nft", "list", "set", "ip", host_table, "internet"], capture_output=True,
                          text=True, timeout=CMD_TIMEOUT)
     return links, res.stdout if res.returncode == 0 else ""
+
+
+async def _host_neighbours(slot: NetSlot, root: AsyncIPRoute, veth_host: int, ns: AsyncIPRoute, host0: int) -> None:
+    """Both ends of the host-facing veth know each other's MAC for good: no ARP on it. With ARP, now
+    and then every connection to a just-created or just-restored sandbox went unanswered for ~1 s
+    (the default ARP retry) although the guest's side had permanent neighbours already (measured on
+    the dev server: 1 of 40 creates, envd's health check answered after 1.03 s; none in 230 creates
+    and 40 resumes with these entries)."""
+    await root.neigh("replace", dst=slot.host_ip, lladdr=await _mac(ns, host0), ifindex=veth_host,
+                     state=NUD_PERMANENT)
+    await ns.neigh("replace", dst=slot.peer_ip, lladdr=await _mac(root, veth_host), ifindex=host0,
+                   state=NUD_PERMANENT)
 
 
 async def _mac(ipr: AsyncIPRoute, index: int) -> str:
