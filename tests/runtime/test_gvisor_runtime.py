@@ -182,6 +182,36 @@ async def test_checkpoint_restore_same_id_same_slot(kit: SandboxKit):
     assert http_get(box.slot.host_ip, "/count")["count"] == 2
 
 
+def _neighbours(netns: str | None, dev: str) -> str:
+    argv = ["ip"] + (["-n", netns] if netns else []) + ["neigh", "show", "dev", dev]
+    return run(*argv).stdout
+
+
+async def test_no_arp_in_a_slot_also_after_a_restore_into_it(kit: SandboxKit):
+    """Every neighbour of a slot is permanent (an unanswered ARP stalled a fresh or restored sandbox's
+    first connections 1 s), also after the slot's links were taken down for a restore into it."""
+    box, _ = await kit.start()
+    slot = box.slot
+
+    def assert_permanent(where: str) -> None:
+        host_side = _neighbours(None, slot.veth_host)
+        assert f"{slot.host_ip} lladdr" in host_side and "PERMANENT" in host_side, f"{where}: {host_side!r}"
+        ns_side = _neighbours(slot.netns, "host0")
+        assert f"{slot.peer_ip} lladdr" in ns_side and "PERMANENT" in ns_side, f"{where}: {ns_side!r}"
+
+    assert_permanent("after the start")
+    await asyncio.sleep(0.3)
+    image = box.dir / "checkpoint"
+    await kit.rt.checkpoint(box.sandbox_id, image)
+    await kit.net.deactivate(box.slot)
+    gateway = _neighbours(slot.netns, "eth0")
+    assert f"{constants.GUEST_GATEWAY_IP} lladdr {constants.GUEST_GATEWAY_MAC} PERMANENT" in gateway, gateway
+    await kit.rt.restore(box.spec, image)
+    await kit.net.activate(box.slot, guest_mac=constants.GUEST_MAC)
+    assert_permanent("after a restore into the slot")
+    wait_http(slot.host_ip)
+
+
 async def test_cleanup_orphans_after_crash(kit: SandboxKit, settings):
     box, _ = await kit.start()
     # Simulated crash: forget every object; a fresh manager/runtime must find and remove it.
