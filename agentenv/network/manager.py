@@ -445,7 +445,7 @@ class NetworkManager:
         `guest_mac`: the guest's MAC when the runtime takes eth0's (gVisor), as a permanent neighbour
         of gw0: the slot's kernel then never ARPs for the guest. A just-restored guest missed those
         requests now and then, and every connection to it waited ~1 s for the next round."""
-        async with _netlink(netns=slot.netns) as ns, _netlink() as root:
+        async with _netlink(netns=slot.netns) as ns:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
                 await ns.link("set", index=idx, state="up")
@@ -454,9 +454,6 @@ class NetworkManager:
                 await ns.neigh("replace", dst=constants.GUEST_IP, lladdr=guest_mac, ifindex=gw0, state=NUD_PERMANENT)
 
             host0 = (await ns.link_lookup(ifname=NS_HOST_LINK))[0]
-            # a link taken down (`deactivate`) lost its neighbours, permanent ones too
-            (veth_host,) = await root.link_lookup(ifname=slot.veth_host)
-            await _host_neighbours(slot, root, veth_host, ns, host0)
             # runsc stripped eth0's address (and with it the guest default route); the netns kernel
             # now routes everything that is not the guest /30 back to the host.
             await ns.route("replace", dst="0.0.0.0/0", gateway=slot.peer_ip, oif=host0)
@@ -464,10 +461,15 @@ class NetworkManager:
     async def deactivate(self, slot: NetSlot) -> None:
         """Undo activate() so the slot can take another runsc run/restore (e.g. a checkpointed
         sandbox restored into its own slot): gw0/host0 down, eth0 re-addressed with the guest route."""
-        async with _netlink(netns=slot.netns) as ns:
+        async with _netlink(netns=slot.netns) as ns, _netlink() as root:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
                 await ns.link("set", index=idx, state="down")
+            # a link taken down lost its neighbours, permanent ones too; written on the down link
+            # they stay when `activate` brings it up, as `_create`'s do
+            (veth_host,) = await root.link_lookup(ifname=slot.veth_host)
+            (host0,) = await ns.link_lookup(ifname=NS_HOST_LINK)
+            await _host_neighbours(slot, root, veth_host, ns, host0)
             (eth0,) = await ns.link_lookup(ifname=GUEST_LINK)
             try:
                 await ns.addr("add", index=eth0, address=constants.GUEST_IP, prefixlen=constants.GUEST_PREFIXLEN)

@@ -25,7 +25,7 @@ import signal
 from pathlib import Path
 
 from agentenv.proc import run_cmd
-from agentenv.proxy.haproxy import _RESTART_DELAY_S
+from agentenv.proxy.haproxy import RESTART_DELAY_S
 from agentenv.proxy.haproxy_conf import HaproxyLayout
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class Component:
                 if self.proc is None or self.proc.returncode is not None:
                     if self.proc is not None:
                         log.warning("haproxy exited (%s); starting it again", self.proc.returncode)
-                        await asyncio.sleep(_RESTART_DELAY_S[min(attempt, len(_RESTART_DELAY_S) - 1)])
+                        await asyncio.sleep(RESTART_DELAY_S[min(attempt, len(RESTART_DELAY_S) - 1)])
                         attempt += 1
                     await self._spawn()
                 await self._reload_if_changed()

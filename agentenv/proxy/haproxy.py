@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # Commands per runtime-API line stay under HAProxy's 16 KiB CLI buffer.
 _LINE_BYTES = 8000
 _RECONCILE_S = 5.0
-_RESTART_DELAY_S = (0.5, 1.0, 2.0, 5.0)
+RESTART_DELAY_S = (0.5, 1.0, 2.0, 5.0)
 _FOLLOW_S = 1.0          # an external HAProxy: how often its instance is checked
 _EXTERNAL_WAIT_S = 120.0  # ... and how long a starting server waits for it
 # What may go into a runtime-API command: ids, tokens (token_urlsafe) and addresses never need more.
@@ -469,7 +469,7 @@ class DataPlane:
                     return  # it never started: `start` reports the error
                 log.warning("haproxy exited (%s); restarting it", str(e)[-300:])
             self.restarts += 1
-            await asyncio.sleep(_RESTART_DELAY_S[min(attempt, len(_RESTART_DELAY_S) - 1)])
+            await asyncio.sleep(RESTART_DELAY_S[min(attempt, len(RESTART_DELAY_S) - 1)])
             attempt += 1
 
     async def stop(self) -> None:

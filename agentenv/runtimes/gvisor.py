@@ -451,8 +451,7 @@ class GVisorRuntime:
                 await self._refused(sandbox_id, log_file, "resetting its connections", frozen=False)
             await asyncio.sleep(RESET_SETTLE_S)
         self._frozen_at[sandbox_id] = time.monotonic()
-        await self._set_status("pause", sandbox_id)
-        self._states.expect(sandbox_id)
+        await self._set_status("pause", sandbox_id)  # kept "paused": also what the checkpoint saves
         res = await self._runsc("checkpoint", "--leave-running", f"--image-path={image_dir}", compression,
                                 sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
                                 output_file=log_file, check=False)

@@ -48,9 +48,10 @@ class StateFiles:
         self.root = root
 
     def path(self, container_id: str) -> Path | None:
-        """runsc's state file of a container (None if runsc has none)."""
-        found = sorted(self.root.glob(f"{container_id}_sandbox:*.state"))
-        return found[0] if found else None
+        """runsc's state file of a container (None if runsc has none). Every agentenv sandbox is one
+        container whose sandbox id is its own id: the name is known, no listing of the root."""
+        path = self.root / f"{container_id}_sandbox:{container_id}.state"
+        return path if path.exists() else None
 
     def _expected(self, container_id: str) -> Path:
         return self.root / EXPECTED_DIR / f"{container_id}.json"
@@ -110,12 +111,7 @@ def _read(path: Path | None, default: dict | None = None) -> dict | None:
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    tmp.write_bytes(data)  # no fsync: what it guards against is a killed process, not a lost host
     os.replace(tmp, path)
 
 
