@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import threading
 import time
+
+from machine import machine_cpu_s
 
 POOL_SIZE = int(os.environ.get("AGENTENV_BENCH_POOL_SIZE", "2"))
 
@@ -92,20 +95,50 @@ def _clients(bench, clients: int, seconds: float) -> dict:
             with lock:
                 lat.append(time.monotonic() - t0)
 
-    t0 = time.monotonic()
+    cpu0, t0 = machine_cpu_s(), time.monotonic()
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     elapsed = time.monotonic() - t0  # includes the cycles that finish after stop_at
+    cpu = machine_cpu_s() - cpu0  # the SDK clients' share is in it too (~5 ms a cycle, seventh session)
     return {"clients": clients, "cycles": len(lat), "seconds": elapsed, "per_s": len(lat) / elapsed,
-            "per_s_per_core": len(lat) / elapsed / (os.cpu_count() or 1), "latency": lat, "errors": errors}
+            "per_s_per_core": len(lat) / elapsed / (os.cpu_count() or 1), "latency": lat, "errors": errors,
+            "machine_cpu_s": cpu, "cpu_ms_per_cycle": 1000 * cpu / len(lat) if lat else None}
+
+
+def _raw_lifecycle(bench, log, stats, clients_list: tuple[int, ...], seconds: float) -> dict:
+    """The same cycles on bare runsc (`Raw.lifecycle`), from an image of a container running envd."""
+    raw = bench.raw
+    image, layer = raw.root / "ckpt-lifecycle", raw.root / "layer-lifecycle"
+    sid, _ph = raw.run(raw.start(envd=True))
+    try:
+        raw.run(raw.checkpoint(sid, image))
+        shutil.rmtree(layer, ignore_errors=True)
+        shutil.copytree(raw.rootfs.upper_path(sid), layer, symlinks=True)  # the files envd holds open
+    finally:
+        raw.run(raw.destroy(sid))
+    out: dict = {}
+    try:
+        for clients in clients_list:
+            log(f"lifecycle: raw, {clients} clients, {seconds} s")
+            r = raw.run(raw.lifecycle(image, layer, clients, seconds))
+            r["latency"] = stats(r["latency"])
+            out[f"raw_c{clients}"] = r
+            log(f"lifecycle: raw {r['per_s']:.2f}/s ({r['per_s_per_core']:.2f}/s per core), "
+                f"{r['cpu_ms_per_cycle'] or 0:.0f} ms CPU a cycle, errors {len(r['errors'])}")
+    finally:
+        shutil.rmtree(image, ignore_errors=True)
+        shutil.rmtree(layer, ignore_errors=True)
+    return out
 
 
 def bench_lifecycle(bench, log, stats) -> None:
     seconds = 15 if bench.quick else 30
     out: dict = {"seconds": seconds, "cores": os.cpu_count()}
+    if bench.raw is not None:
+        out.update(_raw_lifecycle(bench, log, stats, (4, 8), seconds))
     try:
         for pool in sorted({0, POOL_SIZE}):
             restart(bench, pool)
@@ -115,7 +148,8 @@ def bench_lifecycle(bench, log, stats) -> None:
                 r["latency"] = stats(r["latency"])
                 out[f"pool{pool}_c{clients}"] = r
                 log(f"lifecycle: {r['per_s']:.2f}/s ({r['per_s_per_core']:.2f}/s per core), "
-                    f"p50 {r['latency']['p50']:.2f}s, errors {len(r['errors'])}")
+                    f"p50 {r['latency']['p50']:.2f}s, {r['cpu_ms_per_cycle'] or 0:.0f} ms CPU a cycle, "
+                    f"errors {len(r['errors'])}")
     finally:
         restart(bench, 0)
     bench.results["lifecycle"] = out
@@ -137,13 +171,23 @@ def report(res: dict, ms) -> list[str]:
     if lc:
         L += [f"### Lifecycle throughput (create → `commands.run('true')` → kill, {lc['seconds']} s per run, "
               f"{lc['cores']} cores)", "",
-              "| pool | clients | cycles | per second | per second per core | p50 cycle | p95 cycle | errors |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| run | clients | cycles | per second | per second per core | vs raw | machine CPU a cycle | "
+              "p50 cycle | p95 cycle | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
         for k, r in lc.items():
-            if not k.startswith("pool"):
+            if not k.startswith(("pool", "raw_")):
                 continue
-            pool = k[4:].split("_")[0]
-            L.append(f"| {pool} | {r['clients']} | {r['cycles']} | {r['per_s']:.2f} | {r['per_s_per_core']:.2f} | "
-                     f"{ms(r['latency']['p50'])} | {ms(r['latency']['p95'])} | {len(r['errors'])} |")
+            raw = lc.get(f"raw_c{r['clients']}")
+            label = "**raw** (bare runsc, envd image)" if k.startswith("raw_") else f"agentenv, pool {k[4:].split('_')[0]}"
+            vs = f"{r['per_s'] / raw['per_s']:.2f}×" if raw and raw["per_s"] and not k.startswith("raw_") else ""
+            cpu = r.get("cpu_ms_per_cycle")
+            L.append(f"| {label} | {r['clients']} | {r['cycles']} | {r['per_s']:.2f} | {r['per_s_per_core']:.2f} | {vs} | "
+                     f"{'%.0f ms' % cpu if cpu else '–'} | {ms(r['latency']['p50'])} | {ms(r['latency']['p95'])} | "
+                     f"{len(r['errors'])} |")
         L.append("")
+        if any(k.startswith("raw_") for k in lc):
+            L += ["The raw cycle: overlay + slot, `runsc restore` of a container running envd, its first `/health`, "
+                  "one `bash -l -c true` through envd's process API, `runsc delete`, slot and overlay released "
+                  "(`Raw.lifecycle`). Machine CPU a cycle: all of the machine's CPU over the run (the SDK clients "
+                  "and the benchmark included) divided by the cycles.", ""]
     return L

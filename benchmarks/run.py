@@ -43,10 +43,11 @@ BENCH_DIR = Path(os.environ.get("AGENTENV_BENCH_DATA_DIR", "/var/tmp/agentenv-be
 TEST_IMAGES = Path(os.environ.get("AGENTENV_BENCH_IMAGES_FROM", "/var/tmp/agentenv-test/images"))
 RESULTS = REPO / "benchmarks" / "results"
 sys.path.insert(0, str(REPO / "benchmarks"))
+from machine import machine_cpu_s  # noqa: E402
 # Steps that need neither the agentenv server nor the raw runsc baseline.
 SERVERLESS_STEPS = {"firecracker", "qemu"}
 # Steps that need the server but no raw runsc baseline.
-RAWLESS_STEPS = {"metrics", "templates", "pool", "lifecycle"}
+RAWLESS_STEPS = {"metrics", "templates", "pool"}
 AGENTENV = str(Path(sys.prefix) / "bin" / "agentenv")
 RAW_PORT = 49983
 MiB = 1024 * 1024
@@ -207,13 +208,6 @@ def wrk(url: str, *, connections: int, seconds: int, headers: dict[str, str] | N
             "requests": int(reqs.group(1)) if reqs else 0, "non_2xx": int(non2xx.group(1)) if non2xx else 0,
             "socket_errors": sum(int(x) for x in sock.groups()) if sock else 0, "connections": connections,
             "seconds": seconds, "raw": out}
-
-
-def machine_cpu_s() -> float:
-    """CPU seconds the whole machine spent so far (user + system + irq, not idle or iowait)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def capture_times(logtxt: str) -> tuple[float, float, float] | None:
@@ -611,6 +605,7 @@ class Raw:
             self.tools.mkdir()
         self.live: dict[str, object] = {}  # id -> slot
         self._n = 0
+        self._reaper: asyncio.Future | None = None
         self.loop = asyncio.new_event_loop()
 
     def run(self, coro):
@@ -633,12 +628,19 @@ class Raw:
                            memory_mb=1024, args=args, env=env)
 
     async def setup(self) -> None:
+        # As the server does (`runtimes/_reaper`): runsc's sandbox processes are orphans, and `runsc
+        # delete` waits until the killed one is reaped, which this host's PID 1 does every 2 s.
+        from agentenv.runtimes._reaper import become_subreaper, reap_forever
+        if become_subreaper():
+            self._reaper = asyncio.ensure_future(reap_forever())
         await self.net.setup_host()
 
-    async def _prepare(self, sid: str):
+    async def _prepare(self, sid: str, layer: Path | None = None):
+        """Overlay (`layer`, e.g. a checkpointed container's upper, over the base) + network slot."""
+        lowers = [self.base] if layer is None else [layer, self.base]
         for attempt in range(3):
             try:
-                rootfs, slot = await asyncio.gather(self.rootfs.prepare(sid, [self.base]), self.net.allocate(sid))
+                rootfs, slot = await asyncio.gather(self.rootfs.prepare(sid, lowers), self.net.allocate(sid))
                 break
             except Exception as e:  # noqa: BLE001 - slot index raced with the server: rescan, retry
                 log(f"raw slot/rootfs for {sid} failed ({e!r}); retrying")
@@ -696,14 +698,15 @@ class Raw:
         finally:
             await self.rt.stop(sid)
 
-    async def restore_into(self, sid: str, image: Path, envd: bool = False) -> dict:
-        """Restore `image` as container `sid` (existing slot after deactivate, or a new one); first
+    async def restore_into(self, sid: str, image: Path, envd: bool = False, layer: Path | None = None) -> dict:
+        """Restore `image` as container `sid` (existing slot after deactivate, or a new one over `layer`,
+        the checkpointed container's upper: a restore reopens the files its processes held); first
         answer: TCP, or envd's GET /health for a container started with envd."""
         from agentenv.orchestrator import envd_client
         t0 = time.monotonic()
         slot = self.live.get(sid)
         if slot is None:
-            rootfs, slot = await self._prepare(sid)
+            rootfs, slot = await self._prepare(sid, layer)
         else:
             await self.net.deactivate(slot)
             rootfs = self.rootfs.rootfs_path(sid)
@@ -717,6 +720,43 @@ class Raw:
             await self.wait_answer(slot.host_ip)
         t3 = time.monotonic()
         return {"total": t3 - t0, "prepare": t1 - t0, "runsc_restore": t2 - t1, "to_answer": t3 - t2}
+
+    async def lifecycle(self, image: Path, layer: Path, clients: int, seconds: float) -> dict:
+        """The raw steps of a lifecycle cycle (create → one command → kill), `clients` loops at once for
+        `seconds`: overlay (`layer` over the base) + slot, `runsc restore` of a container running envd
+        (`image`), envd's first
+        `/health` answer, one `bash -l -c true` through envd's process API (what `commands.run` sends),
+        then `runsc delete`, slot and overlay released. What agentenv adds on top: the API, the SDK,
+        envd's `/init`, the database, the routes and the proxy."""
+        from agentenv.orchestrator import envd_client
+        stop_at = time.monotonic() + seconds
+        lat: list[float] = []
+        errors: list[str] = []
+
+        async def client() -> None:
+            while time.monotonic() < stop_at:
+                sid = self.new_id()
+                t0 = time.monotonic()
+                try:
+                    await self.restore_into(sid, image, envd=True, layer=layer)
+                    ip = self.live[sid].host_ip
+                    code = await envd_client.run_process(ip, access_token=None, cmd="true", user="user",
+                                                         shell="/bin/bash", login=True, timeout=60)
+                    if code != 0:
+                        raise RuntimeError(f"`true` exited {code}")
+                except Exception as e:  # noqa: BLE001 - counted, the run goes on
+                    errors.append(repr(e)[:200])
+                    await self.destroy(sid)
+                    continue
+                await self.destroy(sid)
+                lat.append(time.monotonic() - t0)
+
+        cpu0, t0 = machine_cpu_s(), time.monotonic()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed, cpu = time.monotonic() - t0, machine_cpu_s() - cpu0
+        return {"clients": clients, "cycles": len(lat), "seconds": elapsed, "per_s": len(lat) / elapsed,
+                "per_s_per_core": len(lat) / elapsed / (os.cpu_count() or 1), "latency": lat, "errors": errors,
+                "machine_cpu_s": cpu, "cpu_ms_per_cycle": 1000 * cpu / len(lat) if lat else None}
 
     async def destroy(self, sid: str) -> None:
         try:
@@ -737,6 +777,14 @@ class Raw:
         # anything our runsc root still knows (e.g. after a crash)
         for sid in await self.rt.list_ids():
             await self.rt.stop(sid)
+
+    async def close(self) -> None:
+        """Every raw container gone, and the reaper stopped."""
+        await self.destroy_all()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
 
     async def pss(self, sid: str) -> float:
         return sandbox_pss_mb(sid)[0]
@@ -1170,7 +1218,8 @@ class Bench:
             _kill(sbx)
 
     def run_all(self, only: set[str]) -> None:
-        steps = [("create", self.bench_create), ("exec", self.bench_exec), ("files", self.bench_files),
+        steps = [("create", self.bench_create), ("idle", self.bench_idle), ("exec", self.bench_exec),
+                 ("files", self.bench_files),
                  ("pause", self.bench_pause_resume), ("fork", self.bench_fork), ("snapshot", self.bench_snapshot),
                  ("firecracker", self.bench_firecracker), ("qemu", self.bench_qemu), ("proxy", self.bench_proxy), ("metrics", self.bench_metrics),
                  ("templates", self.bench_templates), ("pool", self.bench_pool), ("lifecycle", self.bench_lifecycle)]
@@ -1198,6 +1247,39 @@ class Bench:
                         break  # a real failure, not the server disappearing under us: do not retry
                     log(f"{name}: the server is gone (killed from outside?); restarting it and retrying")
             self.results.setdefault("durations_s", {})[name] = round(time.monotonic() - t0, 1)
+
+    # 1b -----------------------------------------------------------------
+    def bench_idle(self) -> None:
+        """Host CPU an idle sandbox costs, from its cgroup (Sentry, gofer and everything inside), in ms
+        a second: agentenv's sandboxes (after one command) next to raw containers running envd (no
+        memory limit given, so no OOM guard) and the bare TCP server, all idle side by side."""
+        from agentenv.observability.sampler import cgroup_usage
+        n, secs = (3, 5.0) if self.quick else (5, 10.0)
+        log(f"idle: {n} sandboxes of each kind, {secs:.0f} s")
+        ours = [self.create() for _ in range(n)]
+        raw: dict[bool, list[str]] = {}
+        try:
+            for sbx in ours:
+                sbx.commands.run("true")
+            for envd in (True, False):
+                raw[envd] = [self.raw.run(self.raw.start(envd=envd))[0] for _ in range(n)]
+            kinds = {"ours": [s.sandbox_id for s in ours], "raw_envd": raw[True], "raw_bare": raw[False]}
+            time.sleep(2.0)  # past the first command's and the first answer's tails
+            u0 = {sid: cgroup_usage(sid) for ids in kinds.values() for sid in ids}
+            time.sleep(secs)
+            u1 = {sid: cgroup_usage(sid) for ids in kinds.values() for sid in ids}
+            out = {}
+            for kind, ids in kinds.items():
+                vals = [(u1[i][0] - u0[i][0]) / 1e6 / secs for i in ids if u0.get(i) and u1.get(i)]
+                out[kind] = {"cpu_ms_per_s": stats(vals)}
+            self.results["idle"] = {"n": n, "seconds": secs, **out}
+            log("idle: " + ", ".join(f"{k} {v['cpu_ms_per_s']['p50']:.1f} ms/s" for k, v in out.items()))
+        finally:
+            for sbx in ours:
+                _kill(sbx)
+            for ids in raw.values():
+                for sid in ids:
+                    self.raw.run(self.raw.destroy(sid))
 
     # 6 ------------------------------------------------------------------
     def bench_metrics(self) -> None:
@@ -1440,6 +1522,16 @@ def report(res: dict) -> str:
                          ("  of which run → envd healthy", "raw_envd_to_healthy")]:
             st = c[k]
             L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
+        L.append("")
+    idle = res.get("idle")
+    if idle:
+        L += [f"### 1b. An idle sandbox's host CPU ({idle['n']} of each, side by side, {idle['seconds']:.0f} s)", "",
+              "| | n | p50 | max |", "|---|---|---|---|"]
+        for label, k in [("**agentenv** sandbox (after one command)", "ours"),
+                         ("**raw** container running envd (no memory limit: no OOM guard)", "raw_envd"),
+                         ("**raw** bare container (a Python TCP server)", "raw_bare")]:
+            st = idle[k]["cpu_ms_per_s"]
+            L.append(f"| {label} | {st['n']} | {st['p50']:.1f} ms/s | {st['max']:.1f} ms/s |")
         L.append("")
     import pool_bench
     L += pool_bench.report(res, ms)
@@ -1817,7 +1909,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (≲ 5 min)")
     ap.add_argument("--only", default="",
-                    help="comma list of: create,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics,cluster,templates,"
+                    help="comma list of: create,idle,exec,files,pause,fork,snapshot,firecracker,qemu,proxy,metrics,cluster,templates,"
                          "pool,lifecycle")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -1854,7 +1946,7 @@ def main() -> int:
     finally:
         if raw is not None:
             try:
-                raw.run(raw.destroy_all())
+                raw.run(raw.close())
             except Exception as e:  # noqa: BLE001
                 log(f"raw cleanup: {e}")
         if srv.proc is not None:

@@ -383,7 +383,7 @@ def main() -> int:
         rc = 1
     finally:
         if raw is not None:
-            raw.run(raw.destroy_all())
+            raw.run(raw.close())
         if srv.proc is not None:
             srv.stop()
         res["meta"]["gc"] = srv.gc()

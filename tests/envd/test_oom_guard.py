@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from agentenv.envd.oom import OomGuard, biggest_process, memory_used
+from agentenv.envd.oom import ALLOC_RATE, POLL_MAX_S, POLL_S, MemInfo, OomGuard, biggest_process, memory_used
 
 
 def test_kills_the_largest_process_when_over_the_limit():
@@ -36,3 +36,41 @@ def test_disabled_without_a_limit(monkeypatch):
     assert OomGuard.from_environ() is None
     monkeypatch.setenv("AGENTENV_ENVD_MEMORY_LIMIT_MB", "512")
     assert OomGuard.from_environ().limit == 512 << 20
+
+
+def test_kept_meminfo_descriptor_sees_memory_change():
+    """The guard reads /proc/meminfo through one descriptor kept open: each look must see the memory
+    of that moment, not the file as it was when first read."""
+    mem = MemInfo()
+    try:
+        before = mem.used()
+        assert abs(before - memory_used()) < 64 << 20
+        hog = subprocess.Popen([sys.executable, "-c",
+                                "import time; b = bytearray(400 << 20); b[::4096] = b'x' * len(b[::4096]); "
+                                "time.sleep(60)"])
+        try:
+            deadline = time.monotonic() + 20
+            while mem.used() - before < 250 << 20:
+                assert time.monotonic() < deadline, "a 400 MiB process never showed in the kept descriptor"
+                time.sleep(0.1)
+        finally:
+            hog.kill()
+            hog.wait()
+    finally:
+        mem.close()
+
+
+def test_looks_more_often_as_memory_nears_the_limit():
+    """Far under the limit the guard waits, but never longer than memory growing at ALLOC_RATE would
+    need to reach it; near it (and after a kill) it looks every POLL_S."""
+    guard = OomGuard(1 << 30)
+    guard.last_used = 100 << 20
+    far = guard.next_look_in()
+    assert POLL_S < far <= POLL_MAX_S
+    assert guard.last_used + far * ALLOC_RATE <= guard.limit - guard.margin + 1
+    guard.last_used = guard.limit - guard.margin - (10 << 20)
+    assert guard.next_look_in() == POLL_S
+    guard.last_used = 0
+    big = OomGuard(64 << 30)
+    assert big.next_look_in() == POLL_MAX_S
+    assert guard.next_look_in() < big.next_look_in()
