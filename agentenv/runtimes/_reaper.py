@@ -14,13 +14,14 @@ import asyncio
 import ctypes
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 
 PR_SET_CHILD_SUBREAPER = 36
 # runsc re-executes /proc/self/exe for its sandbox and gofer processes, so the kernel names them
 # "exe"; a zombie has no cmdline left, but keeps this name. Nothing else we run is called that.
-_ORPHAN_COMM = "exe"
+ORPHAN_COMM = "exe"
 
 
 def become_subreaper() -> bool:
@@ -47,13 +48,35 @@ def reap_once() -> int:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return reaped
-        if info is None or _comm(info.si_pid) != _ORPHAN_COMM:
+        if info is None or _comm(info.si_pid) != ORPHAN_COMM:
             return reaped
         try:
             os.waitpid(info.si_pid, os.WNOHANG)
             reaped += 1
         except ChildProcessError:
             return reaped
+
+
+def reap_killed(pids: list[int], timeout: float = 1.0) -> int:
+    """Wait (blocking: run it in a thread) until the runsc helpers `pids`, just SIGKILLed, have
+    exited, reaping those that are this process's children; returns how many were. A pid that is not
+    a child (someone else reaps it, or `reap_forever` already did) is not waited for."""
+    deadline = time.monotonic() + timeout
+    left, reaped = set(pids), 0
+    while left:
+        for pid in list(left):
+            try:
+                done, _status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                left.discard(pid)
+                continue
+            if done:
+                left.discard(pid)
+                reaped += 1
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
+    return reaped
 
 
 async def reap_forever(interval: float = 0.05) -> None:

@@ -108,7 +108,7 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
             except OSError as e:  # EBUSY while the last sandbox processes exit
                 if owner and not killed and time.monotonic() - t0 > KILL_AFTER_S:
                     killed = True
-                    n = kill_members(Path(d), owner)
+                    n = len(kill_members(Path(d), owner))
                     if n:
                         log.warning("sandbox %s: %d process(es) outlived it in %s; killed", sandbox_id, n, d)
                         deadline = time.monotonic() + wait_s
@@ -117,11 +117,11 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
                 await asyncio.sleep(0.05)
 
 
-def kill_members(group: Path, owner: str) -> int:
+def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
     """SIGKILL every process in `group` (and the groups nested in it) whose command line contains
-    `owner`; returns how many."""
+    `owner` (and, given `comm`, whose name is `comm`); returns their pids."""
     mark = os.fsencode(owner)
-    n = 0
+    killed = []
     for procs in [group / "cgroup.procs", *group.rglob("*/cgroup.procs")]:
         try:
             pids = [int(x) for x in procs.read_text().split()]
@@ -131,8 +131,20 @@ def kill_members(group: Path, owner: str) -> int:
             try:
                 if mark not in Path(f"/proc/{pid}/cmdline").read_bytes():
                     continue
+                if comm is not None and Path(f"/proc/{pid}/comm").read_text().strip() != comm:
+                    continue
                 os.kill(pid, signal.SIGKILL)
-                n += 1
+                killed.append(pid)
             except (ProcessLookupError, FileNotFoundError):
                 pass
-    return n
+    return killed
+
+
+def kill_sandbox(sandbox_id: str, owner: str, comm: str) -> list[int]:
+    """SIGKILL the sandbox's processes named `comm` whose command line contains `owner`, found in its
+    group of the first controller that has one; returns their pids."""
+    for d in [CGROUP_FS / CGROUP_PARENT / sandbox_id,
+              *(Path(x) for x in sorted(glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id))))]:
+        if (d / "cgroup.procs").exists():
+            return kill_members(d, owner, comm)
+    return []

@@ -58,3 +58,39 @@ async def test_remove_kills_only_what_this_runtime_left_in_the_group():
                 p.kill()
                 p.wait(10)
         await cgroups.remove(sid)
+
+
+async def test_stop_kills_only_runsc_helpers_and_reaps_them(tmp_path):
+    """What a gVisor stop does before `runsc delete` (`cgroups.kill_sandbox` + `_reaper.reap_killed`):
+    the sandbox's runsc helpers (the kernel names them `exe`) are killed and reaped at once; a runsc
+    command in the group (the CLI joins it while it starts a sandbox) is never killed: a runsc killed
+    while it writes its state file leaves the file cut (`gvisor_state`)."""
+    from agentenv.runtimes._reaper import ORPHAN_COMM, reap_killed
+    sid = "itest" + secrets.token_hex(8)
+    ours = f"--root=/run/ours-{sid}"
+    exe = tmp_path / ORPHAN_COMM
+    exe.symlink_to("/bin/sleep")
+    helper = subprocess.Popen(["bash", "-c", f'exec -a "runsc-sandbox {ours} boot" "{exe}" 600'])
+    command = _process(f"runsc {ours} delete --force {sid}")
+    try:
+        time.sleep(0.2)  # exec'd
+        if cgroups.place(sid, helper.pid, 0) is None:
+            pytest.skip("no writable cgroup filesystem here")
+        cgroups.place(sid, command.pid, 0)
+        assert open(f"/proc/{helper.pid}/comm").read().strip() == ORPHAN_COMM
+
+        killed = cgroups.kill_sandbox(sid, owner=ours, comm=ORPHAN_COMM)
+        assert killed == [helper.pid]
+        assert reap_killed(killed) == 1
+        assert not os.path.exists(f"/proc/{helper.pid}"), "the killed helper was not reaped"
+        assert command.poll() is None, "a runsc command was killed"
+        assert cgroups.kill_sandbox("itest-none" + secrets.token_hex(4), owner=ours, comm=ORPHAN_COMM) == []
+    finally:
+        for p in (helper, command):
+            if p.poll() is None:
+                p.kill()
+            try:
+                p.wait(10)
+            except ChildProcessError:
+                pass
+        await cgroups.remove(sid)
