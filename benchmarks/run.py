@@ -652,15 +652,21 @@ class Raw:
         return rootfs, slot
 
     async def wait_answer(self, host_ip: str, timeout: float = 60) -> None:
+        """As agentenv's health check waits (`envd_client.wait_healthy`): a connect whose SYN was
+        dropped while the slot came up is given up after 0.1 s (growing on each timeout) for a fresh
+        one, instead of waiting out the kernel's 1 s SYN retransmission."""
         deadline = time.monotonic() + timeout
+        connect = 0.1
         while True:
             try:
-                r, w = await asyncio.wait_for(asyncio.open_connection(host_ip, RAW_PORT), 2)
+                r, w = await asyncio.wait_for(asyncio.open_connection(host_ip, RAW_PORT), connect)
                 data = await asyncio.wait_for(r.readexactly(3), 5)
                 w.close()  # client closes first: no TIME_WAIT inside the sandbox
                 if data == b"ok\n":
                     return
-            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            except asyncio.TimeoutError:
+                connect = min(connect * 2, 2.0)
+            except (OSError, asyncio.IncompleteReadError):
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"raw container at {host_ip} never answered")
@@ -684,15 +690,17 @@ class Raw:
         return sid, {"total": t3 - t0, "prepare": t1 - t0, "runsc_run": t2 - t1, "to_answer": t3 - t2}
 
     async def checkpoint(self, sid: str, image: Path) -> float:
-        """Bare `runsc checkpoint` (same netns wrapper); the stopped container is deleted afterwards
-        (not timed) so the id can be restored."""
+        """Bare `runsc checkpoint` (same netns wrapper, same compression as the server's:
+        `runsc_compression`, none by default); the stopped container is deleted afterwards (not
+        timed) so the id can be restored."""
         await asyncio.sleep(0.3)  # let the probe connection finish closing on the sandbox side
         shutil.rmtree(image, ignore_errors=True)
         image.mkdir(parents=True)
         slot = self.live[sid]
         t0 = time.monotonic()
         try:
-            await self.rt._runsc("checkpoint", f"--image-path={image}", sid, timeout=300,
+            await self.rt._runsc("checkpoint", f"--compression={self.settings.runsc_compression}",
+                                 f"--image-path={image}", sid, timeout=300,
                                  netns_path=slot.netns_path, output_file=self.settings.paths.sandbox_dir(sid) / "ckpt.log")
             return time.monotonic() - t0
         finally:
@@ -969,14 +977,27 @@ class Bench:
                     pass
         # The raw steps twice: a bare container (a tiny TCP server), and one running envd as a sandbox
         # does, whose memory image is the size of a sandbox's (what a resume restores).
+        # The envd container is checkpointed as the warm image is (after one login shell), and after its
+        # restore runs one `bash -l -c true` through envd, as `commands.run` does (`raw_envd_first_cmd`).
+        from agentenv.orchestrator import envd_client
         raw: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}
+        raw_first: list[float] = []
         img = self.raw.root / "ckpt-pr"
         for _ in range(reps):
             for envd, (ck, rs) in raw.items():
                 sid, _ph = self.raw.run(self.raw.start(envd=envd))
                 try:
+                    if envd:
+                        self.raw.run(envd_client.warm_login_shell(self.raw.live[sid].host_ip, access_token=None,
+                                                                  user="user"))
                     ck.append(self.raw.run(self.raw.checkpoint(sid, img)))
+                    t0 = time.monotonic()
                     rs.append(self.raw.run(self.raw.restore_into(sid, img, envd=envd))["total"])
+                    if envd:
+                        self.raw.run(envd_client.run_process(self.raw.live[sid].host_ip, access_token=None,
+                                                             cmd="true", user="user", shell="/bin/bash",
+                                                             login=True, timeout=60))
+                        raw_first.append(time.monotonic() - t0)
                 finally:
                     self.raw.run(self.raw.destroy(sid))
         shutil.rmtree(img, ignore_errors=True)
@@ -986,7 +1007,8 @@ class Bench:
                                         "raw_checkpoint": stats(raw[False][0]),
                                         "raw_restore_to_answer": stats(raw[False][1]),
                                         "raw_envd_checkpoint": stats(raw[True][0]),
-                                        "raw_envd_restore_to_answer": stats(raw[True][1])}
+                                        "raw_envd_restore_to_answer": stats(raw[True][1]),
+                                        "raw_envd_restore_to_first_cmd": stats(raw_first)}
 
     # 4b -----------------------------------------------------------------
     def bench_fork(self) -> None:
@@ -1024,34 +1046,55 @@ class Bench:
                 log(f"fork {n}: all answered in {t_all:.2f}s, source paused {out[str(n)]['source_paused']}")
             finally:
                 list(self.pool.map(lambda k: _kill(k), kids + [src]))
-        # raw: checkpoint a bare container, N parallel restores into fresh slots/overlays
-        raw = {}
-        img = self.raw.root / "ckpt-fork"
-        sid, _ = self.raw.run(self.raw.start())
-        try:
-            ck = self.raw.run(self.raw.checkpoint(sid, img))
-        finally:
-            self.raw.run(self.raw.destroy(sid))
-        for n in counts:
-            ids = [self.raw.new_id() for _ in range(n)]
-
-            async def par():
-                t0 = time.monotonic()
-                await asyncio.gather(*(self.raw.restore_into(i, img) for i in ids))
-                return time.monotonic() - t0
+        # raw: checkpoint a container, N parallel restores into fresh slots/overlays; twice: the bare
+        # TCP server, and a container running envd (taken as the warm image is, after one login shell)
+        # whose children each also run one `bash -l -c true` through envd, as every fork child answers
+        # one `commands.run` above
+        from agentenv.orchestrator import envd_client
+        raw: dict = {}
+        ck: float | None = None
+        for envd in (False, True):
+            img, layer = self.raw.root / "ckpt-fork", self.raw.root / "layer-fork"
+            sid, _ = self.raw.run(self.raw.start(envd=envd))
             try:
-                cpu0 = machine_cpu_s()
-                raw[str(n)] = {"all_answer": self.raw.run(par())}
-                raw[str(n)]["machine_cpu_s"] = machine_cpu_s() - cpu0
-                log(f"raw parallel restore {n}: all answered in {raw[str(n)]['all_answer']:.2f}s")
-                if n == 4:
-                    time.sleep(2)
-                    raw[str(n)]["child_pss_MiB"] = [sandbox_pss_mb(i)[0] for i in ids]
+                if envd:
+                    self.raw.run(envd_client.warm_login_shell(self.raw.live[sid].host_ip, access_token=None,
+                                                              user="user"))
+                t = self.raw.run(self.raw.checkpoint(sid, img))
+                ck = t if not envd else ck
+                shutil.rmtree(layer, ignore_errors=True)
+                shutil.copytree(self.raw.rootfs.upper_path(sid), layer, symlinks=True)
             finally:
-                async def destroy_all():
-                    await asyncio.gather(*(self.raw.destroy(i) for i in ids))
-                self.raw.run(destroy_all())
-        shutil.rmtree(img, ignore_errors=True)
+                self.raw.run(self.raw.destroy(sid))
+            for n in counts:
+                ids = [self.raw.new_id() for _ in range(n)]
+
+                async def child(i: str) -> None:
+                    await self.raw.restore_into(i, img, envd=envd, layer=layer)
+                    if envd:
+                        await envd_client.run_process(self.raw.live[i].host_ip, access_token=None, cmd="true",
+                                                      user="user", shell="/bin/bash", login=True, timeout=60)
+
+                async def par():
+                    t0 = time.monotonic()
+                    await asyncio.gather(*(child(i) for i in ids))
+                    return time.monotonic() - t0
+                key = f"envd_{n}" if envd else str(n)
+                try:
+                    cpu0 = machine_cpu_s()
+                    raw[key] = {"all_answer": self.raw.run(par())}
+                    raw[key]["machine_cpu_s"] = machine_cpu_s() - cpu0
+                    log(f"raw parallel restore {n}{' (envd + one command)' if envd else ''}: all answered in "
+                        f"{raw[key]['all_answer']:.2f}s")
+                    if n == 4:
+                        time.sleep(2)
+                        raw[key]["child_pss_MiB"] = [sandbox_pss_mb(i)[0] for i in ids]
+                finally:
+                    async def destroy_all():
+                        await asyncio.gather(*(self.raw.destroy(i) for i in ids))
+                    self.raw.run(destroy_all())
+            shutil.rmtree(img, ignore_errors=True)
+            shutil.rmtree(layer, ignore_errors=True)
         # idle sandbox (fresh, not forked) for the memory comparison
         idle = self.create()
         try:
@@ -1571,7 +1614,9 @@ def report(res: dict) -> str:
                          ("**raw** `runsc checkpoint` (bare container)", "raw_checkpoint"),
                          ("**raw** `runsc restore` → first TCP answer", "raw_restore_to_answer"),
                          ("**raw** `runsc checkpoint` (container running envd, as a sandbox)", "raw_envd_checkpoint"),
-                         ("**raw** `runsc restore` → envd's first `/health` answer", "raw_envd_restore_to_answer")]:
+                         ("**raw** `runsc restore` → envd's first `/health` answer", "raw_envd_restore_to_answer"),
+                         ("**raw** the same → one `bash -l -c true` through envd answered",
+                          "raw_envd_restore_to_first_cmd")]:
             st = p.get(k)
             if st:
                 L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['max'])} |")
@@ -1580,24 +1625,30 @@ def report(res: dict) -> str:
     if fk:
         L += ["### 4b. Fork", "",
               "| children | agentenv: fork call | agentenv: every child answered `commands.run` | source paused "
-              "(checkpoint / seal) | raw: N parallel `runsc restore` all answering | machine CPU, agentenv / raw |",
+              "(checkpoint / seal) | raw: N parallel `runsc restore` all answering (bare; envd + one command) | "
+              "machine CPU, agentenv / raw (bare; envd) |",
               "|---|---|---|---|---|---|"]
         for n, o in fk["ours"].items():
             r = fk["raw_parallel_restore"].get(n, {})
+            e = fk["raw_parallel_restore"].get(f"envd_{n}", {})
             L.append(f"| {n} ({o['ok']} ok) | {s_(o['fork_call'])} | {s_(o['all_answer'])} | "
                      f"{s_(o['source_paused'])} ({s_(o['source_checkpoint'])} / {s_(o['source_seal'])}) | "
-                     f"{s_(r.get('all_answer'))} | {s_(o.get('machine_cpu_s'))} / {s_(r.get('machine_cpu_s'))} |")
+                     f"{s_(r.get('all_answer'))}; {s_(e.get('all_answer'))} | "
+                     f"{s_(o.get('machine_cpu_s'))} / {s_(r.get('machine_cpu_s'))}; {s_(e.get('machine_cpu_s'))} |")
         L += ["", f"Raw `runsc checkpoint` of the bare source: {s_(fk['raw_checkpoint'])}. Machine CPU: "
               "CPU seconds of the whole host (`/proc/stat`) from the fork call until every child answered "
               "(agentenv: the source's checkpoint, the children's restores, envd, the server, the SDK), "
               "and over the raw parallel restores.", ""]
         kids = fk["ours"].get("4", {}).get("child_pss_MiB") or []
         rkids = fk["raw_parallel_restore"].get("4", {}).get("child_pss_MiB") or []
+        ekids = fk["raw_parallel_restore"].get("envd_4", {}).get("child_pss_MiB") or []
         L += ["Host memory (sum of PSS of runsc-sandbox, gofer and ptrace stub processes):", "",
               "| | PSS per sandbox |", "|---|---|",
               f"| agentenv idle sandbox (fresh create) | {', '.join(f'{x:.0f}' for x in fk['idle_sandbox_pss_MiB'])} MiB |",
               f"| agentenv idle fork child (of 4) | {', '.join(f'{x:.0f}' for x in kids)} MiB |",
-              f"| raw restored bare container (of 4) | {', '.join(f'{x:.0f}' for x in rkids)} MiB |", ""]
+              f"| raw restored bare container (of 4) | {', '.join(f'{x:.0f}' for x in rkids)} MiB |",
+              f"| raw restored container running envd, after one command (of 4) | "
+              f"{', '.join(f'{x:.0f}' for x in ekids)} MiB |", ""]
     sn = res.get("snapshot")
     if sn:
         L += ["### 4c. Snapshot size and time vs what changed", "",
