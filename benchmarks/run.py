@@ -706,6 +706,24 @@ class Raw:
         finally:
             await self.rt.stop(sid)
 
+    async def checkpoint_frozen(self, sid: str, image: Path) -> float:
+        """The capture a pause makes, bare: `runsc pause`, then `runsc checkpoint --leave-running` of the
+        frozen container (a refused one leaves it running, where a refused plain checkpoint loses it
+        on runsc 20240729); the container is deleted afterwards (not timed)."""
+        await asyncio.sleep(0.3)  # as `checkpoint`
+        shutil.rmtree(image, ignore_errors=True)
+        image.mkdir(parents=True)
+        slot = self.live[sid]
+        t0 = time.monotonic()
+        try:
+            await self.rt._runsc("pause", sid)
+            await self.rt._runsc("checkpoint", "--leave-running", f"--compression={self.settings.runsc_compression}",
+                                 f"--image-path={image}", sid, timeout=300, netns_path=slot.netns_path,
+                                 output_file=self.settings.paths.sandbox_dir(sid) / "ckpt.log")
+            return time.monotonic() - t0
+        finally:
+            await self.rt.stop(sid)
+
     async def restore_into(self, sid: str, image: Path, envd: bool = False, layer: Path | None = None) -> dict:
         """Restore `image` as container `sid` (existing slot after deactivate, or a new one over `layer`,
         the checkpointed container's upper: a restore reopens the files its processes held); first
@@ -982,6 +1000,7 @@ class Bench:
         from agentenv.orchestrator import envd_client
         raw: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}
         raw_first: list[float] = []
+        raw_frozen: list[float] = []
         img = self.raw.root / "ckpt-pr"
         for _ in range(reps):
             for envd, (ck, rs) in raw.items():
@@ -1000,6 +1019,13 @@ class Bench:
                         raw_first.append(time.monotonic() - t0)
                 finally:
                     self.raw.run(self.raw.destroy(sid))
+            # the capture a pause makes (freeze + checkpoint that leaves it running), on envd
+            sid, _ph = self.raw.run(self.raw.start(envd=True))
+            try:
+                self.raw.run(envd_client.warm_login_shell(self.raw.live[sid].host_ip, access_token=None, user="user"))
+                raw_frozen.append(self.raw.run(self.raw.checkpoint_frozen(sid, img)))
+            finally:
+                self.raw.run(self.raw.destroy(sid))
         shutil.rmtree(img, ignore_errors=True)
         self.results["pause_resume"] = {"ours_pause": stats(pause), "ours_connect": stats(resume),
                                         "ours_connect_to_first_cmd": stats(first),
@@ -1008,7 +1034,8 @@ class Bench:
                                         "raw_restore_to_answer": stats(raw[False][1]),
                                         "raw_envd_checkpoint": stats(raw[True][0]),
                                         "raw_envd_restore_to_answer": stats(raw[True][1]),
-                                        "raw_envd_restore_to_first_cmd": stats(raw_first)}
+                                        "raw_envd_restore_to_first_cmd": stats(raw_first),
+                                        "raw_envd_frozen_checkpoint": stats(raw_frozen)}
 
     # 4b -----------------------------------------------------------------
     def bench_fork(self) -> None:
@@ -1614,6 +1641,8 @@ def report(res: dict) -> str:
                          ("**raw** `runsc checkpoint` (bare container)", "raw_checkpoint"),
                          ("**raw** `runsc restore` → first TCP answer", "raw_restore_to_answer"),
                          ("**raw** `runsc checkpoint` (container running envd, as a sandbox)", "raw_envd_checkpoint"),
+                         ("**raw** `runsc pause` + `runsc checkpoint --leave-running` (envd; the capture a pause makes)",
+                          "raw_envd_frozen_checkpoint"),
                          ("**raw** `runsc restore` → envd's first `/health` answer", "raw_envd_restore_to_answer"),
                          ("**raw** the same → one `bash -l -c true` through envd answered",
                           "raw_envd_restore_to_first_cmd")]:
