@@ -111,18 +111,9 @@ def _clients(bench, clients: int, seconds: float) -> dict:
 def _raw_lifecycle(bench, log, stats, clients_list: tuple[int, ...], seconds: float) -> dict:
     """The same cycles on bare runsc (`Raw.lifecycle`), from an image of a container running envd,
     taken as agentenv takes its warm image (after one login shell)."""
-    from agentenv.orchestrator import envd_client
     raw = bench.raw
     image, layer = raw.root / "ckpt-lifecycle", raw.root / "layer-lifecycle"
-    sid, _ph = raw.run(raw.start(envd=True))
-    try:
-        # as agentenv's warm image is taken: after one login shell (its binaries in the page cache)
-        raw.run(envd_client.warm_login_shell(raw.live[sid].host_ip, access_token=None, user="user"))
-        raw.run(raw.checkpoint(sid, image))
-        shutil.rmtree(layer, ignore_errors=True)
-        shutil.copytree(raw.rootfs.upper_path(sid), layer, symlinks=True)  # the files envd holds open
-    finally:
-        raw.run(raw.destroy(sid))
+    raw.run(raw.image(image, layer))
     out: dict = {}
     try:
         for clients in clients_list:

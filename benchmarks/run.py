@@ -689,40 +689,56 @@ class Raw:
         t3 = time.monotonic()
         return sid, {"total": t3 - t0, "prepare": t1 - t0, "runsc_run": t2 - t1, "to_answer": t3 - t2}
 
-    async def checkpoint(self, sid: str, image: Path) -> float:
+    async def checkpoint(self, sid: str, image: Path, frozen: bool = False) -> float:
         """Bare `runsc checkpoint` (same netns wrapper, same compression as the server's:
-        `runsc_compression`, none by default); the stopped container is deleted afterwards (not
-        timed) so the id can be restored."""
+        `runsc_compression`, none by default); `frozen`: the capture a pause makes, `runsc pause` and
+        then `runsc checkpoint --leave-running` of the frozen container (a refused one leaves it
+        running, where a refused plain checkpoint loses it on runsc 20240729). The container is
+        deleted afterwards (not timed) so the id can be restored."""
         await asyncio.sleep(0.3)  # let the probe connection finish closing on the sandbox side
         shutil.rmtree(image, ignore_errors=True)
         image.mkdir(parents=True)
         slot = self.live[sid]
         t0 = time.monotonic()
         try:
-            await self.rt._runsc("checkpoint", f"--compression={self.settings.runsc_compression}",
-                                 f"--image-path={image}", sid, timeout=300,
-                                 netns_path=slot.netns_path, output_file=self.settings.paths.sandbox_dir(sid) / "ckpt.log")
-            return time.monotonic() - t0
-        finally:
-            await self.rt.stop(sid)
-
-    async def checkpoint_frozen(self, sid: str, image: Path) -> float:
-        """The capture a pause makes, bare: `runsc pause`, then `runsc checkpoint --leave-running` of the
-        frozen container (a refused one leaves it running, where a refused plain checkpoint loses it
-        on runsc 20240729); the container is deleted afterwards (not timed)."""
-        await asyncio.sleep(0.3)  # as `checkpoint`
-        shutil.rmtree(image, ignore_errors=True)
-        image.mkdir(parents=True)
-        slot = self.live[sid]
-        t0 = time.monotonic()
-        try:
-            await self.rt._runsc("pause", sid)
-            await self.rt._runsc("checkpoint", "--leave-running", f"--compression={self.settings.runsc_compression}",
-                                 f"--image-path={image}", sid, timeout=300, netns_path=slot.netns_path,
+            if frozen:
+                await self.rt._runsc("pause", sid)
+            await self.rt._runsc("checkpoint", *(["--leave-running"] if frozen else []),
+                                 f"--compression={self.settings.runsc_compression}", f"--image-path={image}", sid,
+                                 timeout=300, netns_path=slot.netns_path,
                                  output_file=self.settings.paths.sandbox_dir(sid) / "ckpt.log")
             return time.monotonic() - t0
         finally:
             await self.rt.stop(sid)
+
+    async def warm_envd(self, sid: str) -> None:
+        """One login shell in a container running envd, as the server does before it takes its warm
+        image (`envd_client.warm_login_shell`)."""
+        from agentenv.orchestrator import envd_client
+        await envd_client.warm_login_shell(self.live[sid].host_ip, access_token=None, user="user")
+
+    async def first_command(self, sid: str) -> None:
+        """One `bash -l -c true` through envd's process API: what `commands.run("true")` sends."""
+        from agentenv.orchestrator import envd_client
+        code = await envd_client.run_process(self.live[sid].host_ip, access_token=None, cmd="true", user="user",
+                                             shell="/bin/bash", login=True, timeout=60)
+        if code != 0:
+            raise RuntimeError(f"`true` exited {code}")
+
+    async def image(self, image: Path, layer: Path, envd: bool = True) -> float:
+        """Checkpoint a new container into `image` (envd: after `warm_envd`) and keep its upper in
+        `layer`, which restores over the base need (a restore reopens the files its processes held);
+        returns the checkpoint's time."""
+        sid, _ph = await self.start(envd=envd)
+        try:
+            if envd:
+                await self.warm_envd(sid)
+            t = await self.checkpoint(sid, image)
+            shutil.rmtree(layer, ignore_errors=True)
+            shutil.copytree(self.rootfs.upper_path(sid), layer, symlinks=True)
+            return t
+        finally:
+            await self.destroy(sid)
 
     async def restore_into(self, sid: str, image: Path, envd: bool = False, layer: Path | None = None) -> dict:
         """Restore `image` as container `sid` (existing slot after deactivate, or a new one over `layer`,
@@ -754,7 +770,6 @@ class Raw:
         `/health` answer, one `bash -l -c true` through envd's process API (what `commands.run` sends),
         then `runsc delete`, slot and overlay released. What agentenv adds on top: the API, the SDK,
         envd's `/init`, the database, the routes and the proxy."""
-        from agentenv.orchestrator import envd_client
         stop_at = time.monotonic() + seconds
         lat: list[float] = []
         errors: list[str] = []
@@ -765,11 +780,7 @@ class Raw:
                 t0 = time.monotonic()
                 try:
                     await self.restore_into(sid, image, envd=True, layer=layer)
-                    ip = self.live[sid].host_ip
-                    code = await envd_client.run_process(ip, access_token=None, cmd="true", user="user",
-                                                         shell="/bin/bash", login=True, timeout=60)
-                    if code != 0:
-                        raise RuntimeError(f"`true` exited {code}")
+                    await self.first_command(sid)
                 except Exception as e:  # noqa: BLE001 - counted, the run goes on
                     errors.append(repr(e)[:200])
                     await self.destroy(sid)
@@ -997,7 +1008,6 @@ class Bench:
         # does, whose memory image is the size of a sandbox's (what a resume restores).
         # The envd container is checkpointed as the warm image is (after one login shell), and after its
         # restore runs one `bash -l -c true` through envd, as `commands.run` does (`raw_envd_first_cmd`).
-        from agentenv.orchestrator import envd_client
         raw: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}
         raw_first: list[float] = []
         raw_frozen: list[float] = []
@@ -1007,23 +1017,20 @@ class Bench:
                 sid, _ph = self.raw.run(self.raw.start(envd=envd))
                 try:
                     if envd:
-                        self.raw.run(envd_client.warm_login_shell(self.raw.live[sid].host_ip, access_token=None,
-                                                                  user="user"))
+                        self.raw.run(self.raw.warm_envd(sid))
                     ck.append(self.raw.run(self.raw.checkpoint(sid, img)))
                     t0 = time.monotonic()
                     rs.append(self.raw.run(self.raw.restore_into(sid, img, envd=envd))["total"])
                     if envd:
-                        self.raw.run(envd_client.run_process(self.raw.live[sid].host_ip, access_token=None,
-                                                             cmd="true", user="user", shell="/bin/bash",
-                                                             login=True, timeout=60))
+                        self.raw.run(self.raw.first_command(sid))
                         raw_first.append(time.monotonic() - t0)
                 finally:
                     self.raw.run(self.raw.destroy(sid))
             # the capture a pause makes (freeze + checkpoint that leaves it running), on envd
             sid, _ph = self.raw.run(self.raw.start(envd=True))
             try:
-                self.raw.run(envd_client.warm_login_shell(self.raw.live[sid].host_ip, access_token=None, user="user"))
-                raw_frozen.append(self.raw.run(self.raw.checkpoint_frozen(sid, img)))
+                self.raw.run(self.raw.warm_envd(sid))
+                raw_frozen.append(self.raw.run(self.raw.checkpoint(sid, img, frozen=True)))
             finally:
                 self.raw.run(self.raw.destroy(sid))
         shutil.rmtree(img, ignore_errors=True)
@@ -1077,30 +1084,19 @@ class Bench:
         # TCP server, and a container running envd (taken as the warm image is, after one login shell)
         # whose children each also run one `bash -l -c true` through envd, as every fork child answers
         # one `commands.run` above
-        from agentenv.orchestrator import envd_client
         raw: dict = {}
         ck: float | None = None
         for envd in (False, True):
             img, layer = self.raw.root / "ckpt-fork", self.raw.root / "layer-fork"
-            sid, _ = self.raw.run(self.raw.start(envd=envd))
-            try:
-                if envd:
-                    self.raw.run(envd_client.warm_login_shell(self.raw.live[sid].host_ip, access_token=None,
-                                                              user="user"))
-                t = self.raw.run(self.raw.checkpoint(sid, img))
-                ck = t if not envd else ck
-                shutil.rmtree(layer, ignore_errors=True)
-                shutil.copytree(self.raw.rootfs.upper_path(sid), layer, symlinks=True)
-            finally:
-                self.raw.run(self.raw.destroy(sid))
+            t = self.raw.run(self.raw.image(img, layer, envd=envd))
+            ck = t if not envd else ck
             for n in counts:
                 ids = [self.raw.new_id() for _ in range(n)]
 
                 async def child(i: str) -> None:
                     await self.raw.restore_into(i, img, envd=envd, layer=layer)
                     if envd:
-                        await envd_client.run_process(self.raw.live[i].host_ip, access_token=None, cmd="true",
-                                                      user="user", shell="/bin/bash", login=True, timeout=60)
+                        await self.raw.first_command(i)
 
                 async def par():
                     t0 = time.monotonic()

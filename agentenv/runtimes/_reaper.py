@@ -32,7 +32,8 @@ def become_subreaper() -> bool:
     return True
 
 
-def _comm(pid: int) -> str:
+def process_name(pid: int) -> str:
+    """The kernel's name of `pid` (its `comm`), or '' when it is gone."""
     try:
         with open(f"/proc/{pid}/comm") as f:
             return f.read().strip()
@@ -48,7 +49,7 @@ def reap_once() -> int:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return reaped
-        if info is None or _comm(info.si_pid) != ORPHAN_COMM:
+        if info is None or process_name(info.si_pid) != ORPHAN_COMM:
             return reaped
         try:
             os.waitpid(info.si_pid, os.WNOHANG)

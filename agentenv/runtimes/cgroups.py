@@ -19,6 +19,7 @@ from pathlib import Path
 
 from agentenv.constants import CGROUP_PARENT, CGROUP_ROOT
 from agentenv.errors import RuntimeFailure
+from agentenv.runtimes._reaper import process_name
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ def place(sandbox_id: str, pid: int, weight: int) -> Path | None:
     return d
 
 
+def _groups(sandbox_id: str) -> list[str]:
+    """The sandbox's group in every controller (cgroup v1: one tree each) or the unified tree (v2)."""
+    return glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
+        glob.glob(str(CGROUP_FS / CGROUP_PARENT / sandbox_id))
+
+
 async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0) -> None:
     """Remove `/agentenv/<sandbox_id>` (and groups nested in it) in every controller, once its
     processes are gone: a group is busy (EBUSY) for a moment after its last process exited.
@@ -90,8 +97,7 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
     (logged), then the group goes. Nothing else is: the group's name is the sandbox id, and another server on the
     same host may run that sandbox now (a paused sandbox moved between two nodes of one host).
     A group still busy `wait_s` after that is an error."""
-    dirs = glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
-        glob.glob(str(CGROUP_FS / CGROUP_PARENT / sandbox_id))
+    dirs = _groups(sandbox_id)
     t0 = time.monotonic()
     deadline = t0 + wait_s
     for d in dirs:
@@ -131,7 +137,7 @@ def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
             try:
                 if mark not in Path(f"/proc/{pid}/cmdline").read_bytes():
                     continue
-                if comm is not None and Path(f"/proc/{pid}/comm").read_text().strip() != comm:
+                if comm is not None and process_name(pid) != comm:
                     continue
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -143,8 +149,7 @@ def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
 def kill_sandbox(sandbox_id: str, owner: str, comm: str) -> list[int]:
     """SIGKILL the sandbox's processes named `comm` whose command line contains `owner`, found in its
     group of the first controller that has one; returns their pids."""
-    for d in [CGROUP_FS / CGROUP_PARENT / sandbox_id,
-              *(Path(x) for x in sorted(glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id))))]:
-        if (d / "cgroup.procs").exists():
-            return kill_members(d, owner, comm)
+    for d in _groups(sandbox_id):
+        if os.path.exists(os.path.join(d, "cgroup.procs")):
+            return kill_members(Path(d), owner, comm)
     return []
