@@ -54,8 +54,11 @@ class MemInfo:
     def __init__(self, path: str = "/proc/meminfo") -> None:
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
+    def read(self) -> bytes:
+        return os.pread(self._fd, 8192, 0)
+
     def used(self) -> int:
-        return _used(os.pread(self._fd, 8192, 0))
+        return _used(self.read())
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
