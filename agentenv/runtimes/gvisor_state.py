@@ -12,7 +12,8 @@ The write happens only after the command's own work succeeded, so the truth afte
 the status the command was setting. Before each pause, resume or checkpoint, `expect` keeps a copy
 of the state with that status (agentenv's own file, beside runsc's); `repair` puts it back, under
 runsc's lock, when runsc's file is found unreadable. `remove` deletes what a container that cannot
-be repaired leaves in the root once its processes are gone.
+be repaired leaves in the root once its processes are gone. A freeze or thaw done without runsc
+(`gvisor_control`) writes runsc's file itself, atomically and under runsc's lock (`held`, `save`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,28 @@ class StateFiles:
         target = self._expected(container_id)
         target.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(target, json.dumps(state).encode())
+
+    @contextlib.contextmanager
+    def held(self, container_id: str) -> Iterator[dict | None]:
+        """runsc's lock on the container, held, and its state as read under it: what a runsc command
+        sees. None (and no lock) when runsc has no readable state for it or its lock did not come."""
+        path = self.path(container_id)
+        if path is None:
+            yield None
+            return
+        with _locked(path.with_suffix(".lock")) as held:
+            yield _read(path) if held else None
+
+    def save(self, container_id: str, state: dict, status: str) -> None:
+        """Write the container's state with `status`, as runsc saves it and as expected from now on
+        (under `held`: the caller did what runsc's command does)."""
+        path = self.path(container_id)
+        assert path is not None
+        data = json.dumps({**state, "status": status}).encode()
+        _write_atomic(path, data)
+        target = self._expected(container_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(target, data)
 
     def repair(self, state_file: Path) -> bool:
         """Put the expected state back if `state_file` is unreadable; True if it was repaired."""

@@ -432,15 +432,16 @@ def _runsc_status(data_dir: Path, sid: str) -> str | None:
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("when", ["frozen", "journaled", "sealed", "pausing-running", "checkpointing-running",
+@pytest.mark.parametrize("when", ["frozen", "journaled", "sealed", "frozen-running", "checkpointing-running",
                                   "sealing-running"])
 def test_server_killed_mid_fork_keeps_source(server, when):
     """kill -9 of the server's process group mid-fork: `frozen` while the source is frozen for its
     checkpoint, `journaled` once the checkpoint is written (the source is stopped, its capture
     journal names the image), `sealed` once the image is sealed and the source is being restored
     from it (these three on the capture that stops the source: AGENTENV_CAPTURE_RUNNING=false);
-    on the capture that leaves the source running: `pausing-running` during its `runsc pause`,
-    `checkpointing-running` during its `runsc checkpoint --leave-running`, `sealing-running` once
+    on the capture that leaves the source running: `frozen-running` once its freeze (through the
+    control socket, `gvisor_control`) saved it as paused, `checkpointing-running` during its
+    `runsc checkpoint --leave-running`, `sealing-running` once
     it is thawed and its image is sealed (CI's kills landed around the first, 0.04 s in, while the
     last one's landing test did not look at the image; a runsc killed saving its state file lost
     the source: test_restart_after_runsc_was_killed_saving_the_state). After a
@@ -477,8 +478,8 @@ def test_server_killed_mid_fork_keeps_source(server, when):
                 landed = "checkpoint written (capture journal present)"
             elif when == "sealed" and '"memory"' in _read(sdir / "capture.json"):
                 landed = "image sealed, source being restored (journal names the memory image)"
-            elif when == "pausing-running" and _runsc_running(sid, "pause"):
-                landed = "`runsc pause` of the source (for its image) under way"
+            elif when == "frozen-running" and _runsc_status(d, sid) == "paused":
+                landed = "source frozen for its image"
             elif when == "checkpointing-running" and _runsc_running(sid, "checkpoint"):
                 landed = "`runsc checkpoint --leave-running` of the source under way"
             elif when == "sealing-running" and _image_written(sdir / "capture") \

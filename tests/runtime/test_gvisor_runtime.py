@@ -125,6 +125,41 @@ async def test_pause_resume(kit: SandboxKit):
     assert http_get(box.slot.host_ip, "/count")["count"] >= 2
 
 
+async def test_freeze_and_thaw_keep_runscs_state_and_never_resume_a_running_sandbox(kit: SandboxKit):
+    """Pause and resume go through the sandbox's control socket (`gvisor_control`), not a runsc start:
+    runsc's own commands must see the state they leave, and since a resume of a sandbox that is not
+    paused kills it (gVisor's pause is counted), a resume or a second pause must not be sent then."""
+    from agentenv.runtimes import gvisor_control
+    box, _ = await kit.start()
+    sid, root = box.sandbox_id, kit.rt.root
+    assert http_get(box.slot.host_ip, "/count")["count"] == 1
+    # an unknown method is refused before anything runs: the caller falls back to runsc
+    with pytest.raises(gvisor_control.NotAsked):
+        gvisor_control.call(root, sid, "containerManager.NoSuchMethod")
+    with pytest.raises(gvisor_control.NotAsked):
+        gvisor_control.call(root, "nosuchsandbox0000000x", "containerManager.Pause")
+    # resume of a running sandbox: refused (by runsc), and the sandbox runs on
+    with pytest.raises(RuntimeFailure):
+        await kit.rt.resume(sid)
+    assert http_get(box.slot.host_ip, "/count")["count"] == 2
+    # paused here, resumed by runsc's own CLI: it finds the state it expects
+    await kit.rt.pause(sid)
+    with pytest.raises(RuntimeFailure):  # a second pause is refused, not counted
+        await kit.rt.pause(sid)
+    assert "paused" in run("runsc", f"--root={root}", "state", sid).stdout
+    run("runsc", f"--root={root}", "resume", sid)
+    assert http_get(box.slot.host_ip, "/count")["count"] == 3  # one resume thawed it
+    # paused by runsc's CLI, resumed here
+    run("runsc", f"--root={root}", "pause", sid)
+    with pytest.raises(OSError):
+        http_get(box.slot.host_ip, "/count", timeout=0.5)
+    await kit.rt.resume(sid)
+    assert await kit.rt.state(sid) == "running"
+    assert http_get(box.slot.host_ip, "/count")["count"] >= 4
+    await kit.destroy(box)
+    await assert_gone(kit, box)
+
+
 async def test_checkpoint_restore_into_two_new_slots(kit: SandboxKit):
     src, _ = await kit.start()
     for i in range(1, 4):

@@ -1,0 +1,119 @@
+"""Freezing and thawing a gVisor sandbox through its control socket, as `runsc pause` / `resume` do.
+
+Every runsc command is a ~60 MB Go binary starting: 18 ms and 11 ms of CPU here before it does
+anything (measured with `runsc --version`), and `runsc pause` + `runsc resume` took 15–20 ms each.
+A capture that keeps the sandbox running pays both while the sandbox is frozen, a pause pays the
+first. What they do is small: under runsc's lock on the container (`<root>/<id>_sandbox:<id>.lock`),
+one call to the sandbox's control server (`<root>/runsc-<id>.sock`, gVisor's urpc: one JSON object
+`{"method", "arg"}` a call, answered by `{"success", "err", "result"}`), and the new status saved in
+the container's state file. Done here, that is 0.3–1.5 ms.
+
+The order of the steps is chosen for a server killed between them (runsc's CLI has the same window
+when it is killed). The Sentry's pause is counted, and a resume of a sandbox that is not paused
+panics the Sentry: the sandbox is gone (measured). So the state file never says "paused" when the
+sandbox is not: a freeze saves "paused" after the Sentry answered, a thaw saves "running" before it
+asks. A kill in between leaves a frozen sandbox whose state says "running": it keeps its memory and
+disk (a pause and resume, or a kill, still work), where the other order could destroy it.
+
+Anything that means nothing was asked of the Sentry (no socket, a path too long for one, a state
+file that is not as expected, a method this runsc does not know) returns False, and the caller runs
+the runsc command instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from pathlib import Path
+from typing import Any
+
+from agentenv.errors import RuntimeFailure
+from agentenv.runtimes.gvisor_state import StateFiles
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 20.0  # as a runsc command's (gvisor.SHORT_TIMEOUT); a pause waits for every task to stop
+_MAX_REPLY = 1 << 20
+
+
+class NotAsked(Exception):
+    """The control server was not asked anything (or refused the call before running it)."""
+
+
+def control_socket(root: Path, sandbox_id: str) -> Path:
+    return root / f"runsc-{sandbox_id}.sock"
+
+
+def call(root: Path, sandbox_id: str, method: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S) -> Any:
+    """One urpc call to the sandbox's control server; its result. `NotAsked` when the call did not
+    run; RuntimeFailure when it was sent and no answer came (the sandbox died, or it took too long)."""
+    path = control_socket(root, sandbox_id)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        try:
+            sock.connect(str(path))
+        except OSError as e:  # missing, refused, or a path longer than sun_path
+            raise NotAsked(f"{path}: {e}") from None
+        sock.sendall(json.dumps({"method": method, "arg": arg}).encode())
+        reply = _read_reply(sock, f"{method} of sandbox {sandbox_id}")
+    finally:
+        sock.close()
+    if not isinstance(reply, dict) or not reply.get("success"):
+        err = reply.get("err") if isinstance(reply, dict) else reply
+        raise NotAsked(f"{method} of sandbox {sandbox_id} refused: {err}")
+    return reply.get("result")
+
+
+def _read_reply(sock: socket.socket, what: str) -> Any:
+    decoder, buf = json.JSONDecoder(), b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except OSError as e:  # a timeout included
+            raise RuntimeFailure(f"no answer to {what}: {e}") from None
+        if not chunk:
+            raise RuntimeFailure(f"no answer to {what}: the sandbox closed its control socket")
+        buf += chunk
+        try:
+            return decoder.raw_decode(buf.decode())[0]
+        except ValueError:
+            if len(buf) > _MAX_REPLY:
+                raise RuntimeFailure(f"no readable answer to {what}") from None
+
+
+class Freezer:
+    """`freeze` / `thaw` of the containers under one runsc root (blocking: run them in a thread)."""
+
+    def __init__(self, root: Path, states: StateFiles) -> None:
+        self.root = root
+        self.states = states
+
+    def freeze(self, sandbox_id: str) -> bool:
+        """Pause a running sandbox; False when nothing was done (the caller runs `runsc pause`)."""
+        with self.states.held(sandbox_id) as state:
+            if state is None or state.get("status") != "running":
+                return False
+            try:
+                call(self.root, sandbox_id, "containerManager.Pause")
+            except NotAsked as e:
+                log.debug("freeze of %s through runsc: %s", sandbox_id, e)
+                return False
+            self.states.save(sandbox_id, state, "paused")
+        return True
+
+    def thaw(self, sandbox_id: str) -> bool:
+        """Resume a sandbox this or `runsc pause` froze; False when nothing was done (the caller runs
+        `runsc resume`, which refuses a sandbox that is not paused)."""
+        with self.states.held(sandbox_id) as state:
+            if state is None or state.get("status") != "paused":
+                return False
+            self.states.save(sandbox_id, state, "running")
+            try:
+                call(self.root, sandbox_id, "containerManager.Resume")
+            except NotAsked as e:
+                self.states.save(sandbox_id, state, "paused")
+                log.debug("thaw of %s through runsc: %s", sandbox_id, e)
+                return False
+        return True
