@@ -197,14 +197,19 @@ class ExtraServer:
 
 
 def stop_unchecked(*servers: "ExtraServer | None") -> None:
-    """For a test's `finally`: stop whatever of `servers` still runs, without the leftovers check
-    (the test failed already; the next `agentenv gc` of the data dir removes the rest)."""
+    """For a test's `finally`: stop whatever of `servers` still runs and `agentenv gc` its data dir,
+    without the leftovers check (the test failed already). A server the test killed itself gets the
+    gc too: its sandboxes, netns and mounts outlived it."""
     for srv in servers:
-        if srv is not None and not srv.stopped:
-            try:
+        if srv is None:
+            continue
+        try:
+            if srv.stopped:
+                run_gc(srv.data_dir, srv.env)
+            else:
                 srv.stop(check_leftovers=False)
-            except Exception:  # noqa: BLE001
-                pass
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def stop_server(proc: subprocess.Popen, timeout: float) -> list[str]:
