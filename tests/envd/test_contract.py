@@ -16,7 +16,6 @@ import json
 import os
 import secrets
 import struct
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -512,6 +511,16 @@ class Recorder:
         self.target = target
         self.requests: list[tuple[Any, bytes]] = []
 
+    async def runner(self):
+        """This hop as an HTTP server (set up, not yet listening) and a random loopback address for it."""
+        from aiohttp import web
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        return runner, f"127.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}.{secrets.randbelow(250) + 2}"
+
     async def handle(self, request):
         import aiohttp
         from aiohttp import web
@@ -575,11 +584,7 @@ async def test_host_clients_use_only_the_contract(envd_factory, contract, http_s
 
     server = envd_factory(prefix=NO_CLOCK)
     recorder = Recorder(server.url)
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", recorder.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    ip = f"127.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}.{secrets.randbelow(250) + 2}"
+    runner, ip = await recorder.runner()
     site = web.TCPSite(runner, ip, ENVD_PORT)
     await site.start()
     try:
@@ -634,7 +639,6 @@ async def test_init_waits_for_envd_and_is_its_readiness(envd_factory, temp_user,
     """A create, resume or fork child has envd's answer to /init as the sign it is up (no /health
     first): `init(wait=True)` retries while nothing listens yet, is applied once, gives up early when
     the sandbox died, and a refused /init is an error at once, not a wait until the timeout."""
-    import asyncio
     import time
 
     from aiohttp import web
@@ -645,11 +649,7 @@ async def test_init_waits_for_envd_and_is_its_readiness(envd_factory, temp_user,
 
     server = envd_factory(prefix=NO_CLOCK)
     recorder = Recorder(server.url)
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", recorder.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    ip = f"127.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}.{secrets.randbelow(250) + 2}"
+    runner, ip = await recorder.runner()
     token = secrets.token_hex(8)
     opts = dict(env_vars={"READY": "yes"}, default_user=temp_user.name, default_workdir=workdir)
     try:
