@@ -72,14 +72,14 @@ async def _until_answered(host_ip: str, attempt, *, timeout: float, is_alive=Non
 
 async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, str], host_token: str,
                default_user: str, default_workdir: str, current_token: str | None = None,
-               timeout: float = 10.0, wait: bool = False, is_alive=None) -> None:
+               timeout: float = 10.0, wait_s: float | None = None, is_alive=None) -> None:
     """POST /init: hands envd its access token, global env vars and default user.
 
     A restored envd (fork child, snapshot) still holds the token of its checkpoint: `current_token`
     proves the right to replace it; the host token (given to envd at boot) does the same, so a retry
-    of an /init that envd did apply is accepted too. `wait`: envd is just starting (or restoring):
-    its first answer to /init is the sign it is up (`timeout` then covers that wait, as in
-    `wait_healthy`), one request fewer than /health first.
+    of an /init that envd did apply is accepted too. `wait_s`: envd is just starting (or
+    restoring): its first answer to /init, within `wait_s`, is the sign it is up (as in
+    `wait_healthy`), one request fewer than /health first; `timeout` is for one /init otherwise.
     """
     body = {
         "accessToken": access_token,
@@ -100,9 +100,9 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
                 text = (await resp.text())[:500]
                 raise RuntimeFailure(f"envd /init failed: HTTP {resp.status}: {text}")
 
-    if wait:
+    if wait_s is not None:
         # the first answer of a slow guest (a microVM under TCG) may take longer than a health check's
-        await _until_answered(host_ip, post, timeout=timeout, is_alive=is_alive, max_request_s=10.0)
+        await _until_answered(host_ip, post, timeout=wait_s, is_alive=is_alive, max_request_s=timeout)
         return
     async with aiohttp.ClientSession() as http:
         await post(http, aiohttp.ClientTimeout(total=timeout))

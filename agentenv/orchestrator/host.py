@@ -303,8 +303,8 @@ class SandboxHost:
         with span("envd.init" if wait_s is None else "envd.wait_init", rec.sandbox_id):
             await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
                                    host_token=self.host_token, current_token=restore_token,
-                                   default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME,
-                                   **({} if wait_s is None else {"wait": True, "timeout": wait_s, "is_alive": is_alive}))
+                                   default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME, wait_s=wait_s,
+                                   is_alive=is_alive)
 
     async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                        slot: NetSlot | None = None, new_boot: bool = False) -> None:

@@ -214,7 +214,7 @@ class GVisorRuntime:
         # netns and console log, and asking `runsc state` costs a runsc start (~20 ms) each time.
         self._bundles: dict[str, Path] = {}
         self._states = StateFiles(self.root)
-        self._freezer = Freezer(self.root, self._states)
+        self._freezer = Freezer(self._states)
 
     # ---------------------------------------------------------------- plumbing
 

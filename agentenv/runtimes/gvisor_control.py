@@ -41,14 +41,10 @@ class NotAsked(Exception):
     """The control server was not asked anything (or refused the call before running it)."""
 
 
-def control_socket(root: Path, sandbox_id: str) -> Path:
-    return root / f"runsc-{sandbox_id}.sock"
-
-
-def call(root: Path, sandbox_id: str, method: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S) -> Any:
-    """One urpc call to the sandbox's control server; its result. `NotAsked` when the call did not
-    run; RuntimeFailure when it was sent and no answer came (the sandbox died, or it took too long)."""
-    path = control_socket(root, sandbox_id)
+def call(path: Path, sandbox_id: str, method: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S) -> Any:
+    """One urpc call to the sandbox's control server at `path` (`StateFiles.control_socket`); its
+    result. `NotAsked` when the call did not run; RuntimeFailure when it was sent and no answer came
+    (the sandbox died, or it took too long)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:
@@ -84,10 +80,9 @@ def _read_reply(sock: socket.socket, what: str) -> Any:
 
 
 class Freezer:
-    """`freeze` / `thaw` of the containers under one runsc root (blocking: run them in a thread)."""
+    """`freeze` / `thaw` of the containers under one runsc root (its `StateFiles`) (blocking: run them in a thread)."""
 
-    def __init__(self, root: Path, states: StateFiles) -> None:
-        self.root = root
+    def __init__(self, states: StateFiles) -> None:
         self.states = states
 
     def freeze(self, sandbox_id: str) -> bool:
@@ -96,7 +91,7 @@ class Freezer:
             if state is None or state.get("status") != "running":
                 return False
             try:
-                call(self.root, sandbox_id, "containerManager.Pause")
+                call(self.states.control_socket(sandbox_id), sandbox_id, "containerManager.Pause")
             except NotAsked as e:
                 log.debug("freeze of %s through runsc: %s", sandbox_id, e)
                 return False
@@ -111,7 +106,7 @@ class Freezer:
                 return False
             self.states.save(sandbox_id, state, "running")
             try:
-                call(self.root, sandbox_id, "containerManager.Resume")
+                call(self.states.control_socket(sandbox_id), sandbox_id, "containerManager.Resume")
             except NotAsked as e:
                 self.states.save(sandbox_id, state, "paused")
                 log.debug("thaw of %s through runsc: %s", sandbox_id, e)

@@ -48,14 +48,26 @@ class StateFiles:
     def __init__(self, root: Path) -> None:
         self.root = root
 
+    def _state_file(self, container_id: str) -> Path:
+        return self.root / f"{container_id}_sandbox:{container_id}.state"
+
     def path(self, container_id: str) -> Path | None:
         """runsc's state file of a container (None if runsc has none). Every agentenv sandbox is one
         container whose sandbox id is its own id: the name is known, no listing of the root."""
-        path = self.root / f"{container_id}_sandbox:{container_id}.state"
+        path = self._state_file(container_id)
         return path if path.exists() else None
+
+    def control_socket(self, sandbox_id: str) -> Path:
+        """The sandbox's control server, where runsc's commands (and `gvisor_control`) call it."""
+        return self.root / f"runsc-{sandbox_id}.sock"
 
     def _expected(self, container_id: str) -> Path:
         return self.root / EXPECTED_DIR / f"{container_id}.json"
+
+    def _keep(self, container_id: str, data: bytes) -> None:
+        target = self._expected(container_id)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(target, data)
 
     def expect(self, container_id: str, status: str | None = None) -> None:
         """Keep the container's state as it will be once the next runsc command (which sets `status`,
@@ -66,9 +78,7 @@ class StateFiles:
             return
         if status is not None:
             state["status"] = status
-        target = self._expected(container_id)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(target, json.dumps(state).encode())
+        self._keep(container_id, json.dumps(state).encode())
 
     @contextlib.contextmanager
     def held(self, container_id: str) -> Iterator[dict | None]:
@@ -84,13 +94,9 @@ class StateFiles:
     def save(self, container_id: str, state: dict, status: str) -> None:
         """Write the container's state with `status`, as runsc saves it and as expected from now on
         (under `held`: the caller did what runsc's command does)."""
-        path = self.path(container_id)
-        assert path is not None
         data = json.dumps({**state, "status": status}).encode()
-        _write_atomic(path, data)
-        target = self._expected(container_id)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(target, data)
+        _write_atomic(self._state_file(container_id), data)
+        self._keep(container_id, data)
 
     def repair(self, state_file: Path) -> bool:
         """Put the expected state back if `state_file` is unreadable; True if it was repaired."""
@@ -117,7 +123,7 @@ class StateFiles:
         if path is None or _read(path) is not None:
             return False
         sandbox_id = path.name.split("_sandbox:", 1)[1].removesuffix(".state")
-        for leftover in (path, path.with_suffix(".lock"), self.root / f"runsc-{sandbox_id}.sock"):
+        for leftover in (path, path.with_suffix(".lock"), self.control_socket(sandbox_id)):
             leftover.unlink(missing_ok=True)
         self.forget(container_id)
         log.warning("removed runsc's unreadable state of %s", container_id)

@@ -655,7 +655,7 @@ async def test_init_waits_for_envd_and_is_its_readiness(envd_factory, temp_user,
     try:
         # nothing listens on the sandbox's address for a while: the /init is retried, then applied once
         waiting = asyncio.ensure_future(envd_client.init(ip, access_token=token, host_token=server.host_token,
-                                                         wait=True, timeout=20, **opts))
+                                                         wait_s=20, **opts))
         await asyncio.sleep(0.4)
         assert not waiting.done()
         site = web.TCPSite(runner, ip, ENVD_PORT)
@@ -670,7 +670,7 @@ async def test_init_waits_for_envd_and_is_its_readiness(envd_factory, temp_user,
         t0 = time.monotonic()
         with pytest.raises(RuntimeFailure, match="HTTP 401"):
             await envd_client.init(ip, access_token="other", host_token="not-the-host-token", current_token="wrong",
-                                   wait=True, timeout=30, **opts)
+                                   wait_s=30, **opts)
         assert time.monotonic() - t0 < 5
     finally:
         await runner.cleanup()
@@ -679,6 +679,6 @@ async def test_init_waits_for_envd_and_is_its_readiness(envd_factory, temp_user,
         return False
     t0 = time.monotonic()
     with pytest.raises(RuntimeFailure, match="exited before envd became healthy"):
-        await envd_client.init(ip, access_token=token, host_token=server.host_token, wait=True, timeout=60,
+        await envd_client.init(ip, access_token=token, host_token=server.host_token, wait_s=60,
                                is_alive=dead, **opts)
     assert time.monotonic() - t0 < 5

@@ -130,14 +130,17 @@ async def test_freeze_and_thaw_keep_runscs_state_and_never_resume_a_running_sand
     runsc's own commands must see the state they leave, and since a resume of a sandbox that is not
     paused kills it (gVisor's pause is counted), a resume or a second pause must not be sent then."""
     from agentenv.runtimes import gvisor_control
+    from agentenv.runtimes.gvisor_state import StateFiles
     box, _ = await kit.start()
     sid, root = box.sandbox_id, kit.rt.root
     assert http_get(box.slot.host_ip, "/count")["count"] == 1
     # an unknown method is refused before anything runs: the caller falls back to runsc
+    states = StateFiles(Path(root))
     with pytest.raises(gvisor_control.NotAsked):
-        gvisor_control.call(root, sid, "containerManager.NoSuchMethod")
+        gvisor_control.call(states.control_socket(sid), sid, "containerManager.NoSuchMethod")
     with pytest.raises(gvisor_control.NotAsked):
-        gvisor_control.call(root, "nosuchsandbox0000000x", "containerManager.Pause")
+        gvisor_control.call(states.control_socket("nosuchsandbox0000000x"), "nosuchsandbox0000000x",
+                            "containerManager.Pause")
     # resume of a running sandbox: refused (by runsc), and the sandbox runs on
     with pytest.raises(RuntimeFailure):
         await kit.rt.resume(sid)
