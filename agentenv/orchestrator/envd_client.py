@@ -28,40 +28,28 @@ _ENVELOPE = struct.Struct(">BI")  # Connect streaming: flags, big-endian length
 async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) -> float:
     """Poll GET /health until 204; returns seconds waited. `is_alive()` aborts early if the sandbox died."""
     start = time.monotonic()
-
-    async def health(http: aiohttp.ClientSession, request_timeout: aiohttp.ClientTimeout) -> str | None:
-        async with http.get(f"http://{host_ip}:{ENVD_PORT}/health", timeout=request_timeout) as resp:
-            return None if resp.status in (200, 204) else f"HTTP {resp.status}"
-
-    await _until_answered(host_ip, health, timeout=timeout, is_alive=is_alive)
-    return time.monotonic() - start
-
-
-async def _until_answered(host_ip: str, attempt, *, timeout: float, is_alive=None, max_request_s: float = 2.0) -> None:
-    """Run `attempt(session, request_timeout)` until it returns None (done): a refused or unanswered
-    connection, or a string (why not yet), is tried again; anything it raises goes to the caller.
-
-    A connect whose SYN was dropped (the slot's host side was still coming up) would wait out the
-    kernel's 1 s SYN retransmission: try again sooner with a fresh connection instead, with a connect
-    timeout that grows so a loaded host still gets there. The same for a whole request: a health
-    check answers in a few ms, and one left unanswered (measured: 1 in ~12 resumes waited 1.0 s for
-    it) is given up for a fresh connection; the time given to each grows to `max_request_s`."""
-    start = time.monotonic()
+    url = f"http://{host_ip}:{ENVD_PORT}/health"
     delay = 0.01
     last_err: str = "no answer"
+    # A connect whose SYN was dropped (the slot's host side was still coming up) would wait out the
+    # kernel's 1 s SYN retransmission: try again sooner with a fresh connection instead, with a connect
+    # timeout that grows so a loaded host still gets there.
+    # The same for a whole request: a health check answers in a few ms, and one left unanswered
+    # (measured: 1 in ~12 resumes waited 1.0 s for it) is given up for a fresh connection.
     connect, whole = 0.1, 0.25
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
         while True:
             try:
-                why = await attempt(http, aiohttp.ClientTimeout(total=whole, sock_connect=connect))
-                if why is None:
-                    return
-                last_err = why
+                async with http.get(url, timeout=aiohttp.ClientTimeout(total=whole, sock_connect=connect)) as resp:
+                    if resp.status in (200, 204):
+                        return time.monotonic() - start
+                    last_err = f"HTTP {resp.status}"
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 last_err = f"{type(e).__name__}: {e}"
-                log.debug("envd at %s: no answer yet after %.3fs (%s)", host_ip, time.monotonic() - start, last_err)
+                log.debug("envd at %s: no health answer yet after %.3fs (%s)", host_ip, time.monotonic() - start,
+                          last_err)
                 if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-                    connect, whole = min(connect * 2, 2.0), min(whole * 2, max_request_s)
+                    connect, whole = min(connect * 2, 2.0), min(whole * 2, 2.0)
             if time.monotonic() - start > timeout:
                 raise RuntimeFailure(f"envd did not become healthy within {timeout:.0f}s ({last_err})")
             if is_alive is not None and delay >= 0.08 and not await is_alive():
@@ -72,14 +60,11 @@ async def _until_answered(host_ip: str, attempt, *, timeout: float, is_alive=Non
 
 async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, str], host_token: str,
                default_user: str, default_workdir: str, current_token: str | None = None,
-               timeout: float = 10.0, wait_s: float | None = None, is_alive=None) -> None:
+               timeout: float = 10.0) -> None:
     """POST /init: hands envd its access token, global env vars and default user.
 
     A restored envd (fork child, snapshot) still holds the token of its checkpoint: `current_token`
-    proves the right to replace it; the host token (given to envd at boot) does the same, so a retry
-    of an /init that envd did apply is accepted too. `wait_s`: envd is just starting (or
-    restoring): its first answer to /init, within `wait_s`, is the sign it is up (as in
-    `wait_healthy`), one request fewer than /health first; `timeout` is for one /init otherwise.
+    proves the right to replace it; the host token (given to envd at boot) does the same.
     """
     body = {
         "accessToken": access_token,
@@ -92,20 +77,11 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
     headers = {"X-Agentenv-Host-Token": host_token}
     if current_token:
         headers["X-Access-Token"] = current_token
-
-    async def post(http: aiohttp.ClientSession, request_timeout: aiohttp.ClientTimeout) -> None:
-        async with http.post(f"http://{host_ip}:{ENVD_PORT}/init", json=body, headers=headers,
-                             timeout=request_timeout) as resp:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        async with http.post(f"http://{host_ip}:{ENVD_PORT}/init", json=body, headers=headers) as resp:
             if resp.status >= 300:
                 text = (await resp.text())[:500]
                 raise RuntimeFailure(f"envd /init failed: HTTP {resp.status}: {text}")
-
-    if wait_s is not None:
-        # the first answer of a slow guest (a microVM under TCG) may take longer than a health check's
-        await _until_answered(host_ip, post, timeout=wait_s, is_alive=is_alive, max_request_s=timeout)
-        return
-    async with aiohttp.ClientSession() as http:
-        await post(http, aiohttp.ClientTimeout(total=timeout))
 
 
 async def blocking_connections(host_ip: str, *, host_token: str, timeout: float = 5.0) -> list[dict]:

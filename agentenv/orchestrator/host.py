@@ -254,10 +254,8 @@ class SandboxHost:
         return rootfs, slot
 
     async def launch(self, rec: SandboxRecord, rootfs: Path, slot: NetSlot, tools: Path, *,
-                     restore_from: Path | None, new_boot: bool, init: bool = False,
-                     restore_token: str | None = None) -> None:
-        """Start (or restore) the sandbox on a prepared rootfs + slot and wait until envd answers
-        (`init`: until it answered its /init, `init_envd`; else its /health).
+                     restore_from: Path | None, new_boot: bool) -> None:
+        """Start (or restore) the sandbox on a prepared rootfs + slot and wait until envd answers.
 
         A start, or `new_boot`, is a new boot_id; a restore continues its image's (`write_boot_id`)."""
         rt = self.runtime_named(rec.runtime)
@@ -289,22 +287,16 @@ class SandboxHost:
                     raise r
         with span("network.activate", rec.sandbox_id):  # gVisor's guest link has eth0's fixed MAC
             await self.network.activate(slot, guest_mac=None if rt.traits.vm else constants.GUEST_MAC)
-        alive = lambda: rt.is_alive(rec.sandbox_id)  # noqa: E731
-        if init:
-            await self.init_envd(rec, slot, restore_token, wait_s=rt.traits.envd_timeout_s, is_alive=alive)
-            return
         with span("envd.wait_healthy", rec.sandbox_id):
-            await envd_client.wait_healthy(slot.host_ip, is_alive=alive, timeout=rt.traits.envd_timeout_s)
+            await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
+                                           timeout=rt.traits.envd_timeout_s)
 
-    async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None, *,
-                        wait_s: float | None = None, is_alive=None) -> None:
-        """`/init`: this sandbox's access token, environment and default user (a restore: re-init).
-        `wait_s`: envd is just starting; its answer to /init is what says it is up (no /health first)."""
-        with span("envd.init" if wait_s is None else "envd.wait_init", rec.sandbox_id):
+    async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None) -> None:
+        """`/init`: this sandbox's access token, environment and default user (a restore: re-init)."""
+        with span("envd.init", rec.sandbox_id):
             await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
                                    host_token=self.host_token, current_token=restore_token,
-                                   default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME, wait_s=wait_s,
-                                   is_alive=is_alive)
+                                   default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
 
     async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                        slot: NetSlot | None = None, new_boot: bool = False) -> None:
@@ -312,8 +304,8 @@ class SandboxHost:
         tools = await self.images.ensure_tools()
         with span("host.prepare", rec.sandbox_id):
             rootfs, slot = await self.prepare(rec, slot)
-        await self.launch(rec, rootfs, slot, tools, restore_from=restore_from, new_boot=new_boot, init=True,
-                          restore_token=restore_token)
+        await self.launch(rec, rootfs, slot, tools, restore_from=restore_from, new_boot=new_boot)
+        await self.init_envd(rec, slot, restore_token)
 
     # ------------------------------------------------------------------ drain, capture
 

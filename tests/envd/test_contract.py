@@ -9,7 +9,6 @@ code or JSON shape that drifts from the contract fails here.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import importlib.resources
 import json
@@ -633,52 +632,3 @@ async def test_host_clients_use_only_the_contract(envd_factory, contract, http_s
     assert {"/process.Process/Start", "/process.Process/SendInput", "/process.Process/CloseStdin",
             "/process.Process/Update", "/process.Process/SendSignal", "GET /health", "POST /init",
             "POST /files", "GET /files", "GET /agentenv/connections"} <= used, used
-
-
-async def test_init_waits_for_envd_and_is_its_readiness(envd_factory, temp_user, workdir):
-    """A create, resume or fork child has envd's answer to /init as the sign it is up (no /health
-    first): `init(wait=True)` retries while nothing listens yet, is applied once, gives up early when
-    the sandbox died, and a refused /init is an error at once, not a wait until the timeout."""
-    import time
-
-    from aiohttp import web
-
-    from agentenv.constants import ENVD_PORT
-    from agentenv.errors import RuntimeFailure
-    from agentenv.orchestrator import envd_client
-
-    server = envd_factory(prefix=NO_CLOCK)
-    recorder = Recorder(server.url)
-    runner, ip = await recorder.runner()
-    token = secrets.token_hex(8)
-    opts = dict(env_vars={"READY": "yes"}, default_user=temp_user.name, default_workdir=workdir)
-    try:
-        # nothing listens on the sandbox's address for a while: the /init is retried, then applied once
-        waiting = asyncio.ensure_future(envd_client.init(ip, access_token=token, host_token=server.host_token,
-                                                         wait_s=20, **opts))
-        await asyncio.sleep(0.4)
-        assert not waiting.done()
-        site = web.TCPSite(runner, ip, ENVD_PORT)
-        await site.start()
-        await asyncio.wait_for(waiting, 10)
-        assert [r.path for r, _ in recorder.requests] == ["/init"]
-        out: list[tuple[str, str]] = []
-        assert await envd_client.run_process(ip, access_token=token, cmd="echo $READY", user=temp_user.name,
-                                             on_output=lambda s, t: out.append((s, t)), timeout=20) == 0
-        assert ("stdout", "yes\n") in out
-        # a refused /init (neither the current nor the host token) fails at once
-        t0 = time.monotonic()
-        with pytest.raises(RuntimeFailure, match="HTTP 401"):
-            await envd_client.init(ip, access_token="other", host_token="not-the-host-token", current_token="wrong",
-                                   wait_s=30, **opts)
-        assert time.monotonic() - t0 < 5
-    finally:
-        await runner.cleanup()
-    # a sandbox that died: the wait ends when `is_alive` says so, long before its timeout
-    async def dead() -> bool:
-        return False
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeFailure, match="exited before envd became healthy"):
-        await envd_client.init(ip, access_token=token, host_token=server.host_token, wait_s=60,
-                               is_alive=dead, **opts)
-    assert time.monotonic() - t0 < 5
