@@ -145,6 +145,9 @@ class Settings(BaseSettings):
 
     # Host-side addressing of sandbox slots: one /30 per slot inside this /16.
     slot_subnet: str = "10.213.0.0/16"
+    # Network slots built ahead of demand while the node is quiet (network/spares.py): a create,
+    # resume or fork child adopts one instead of building its own (~14 ms less on its path). 0: none.
+    network_spare_slots: int = Field(default=16, ge=0, le=256)
     # Tag in the host-global names (netns, root-ns links, nft table) of this instance, so several
     # instances can share one host (test clusters, parallel test runs). Each needs its own slot_subnet.
     # Not starting with "h": its links (ae<tag>h<n>) would match the untagged instance's "aeh*" rules.

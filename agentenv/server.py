@@ -89,7 +89,7 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     if isinstance(snapshot_store, S3SnapshotStore):
         await snapshot_store.ensure_bucket()
     default_runtime, *extra_runtimes = runtimes.values()
-    orch = Orchestrator(settings, store, images, RootfsManager(settings.paths, settings.disk_quota), NetworkManager(settings),
+    orch = Orchestrator(settings, store, images, RootfsManager(settings.paths, settings.disk_quota), NetworkManager(settings, spare_slots=settings.network_spare_slots),
                         default_runtime, ArtifactCache(settings.data_dir, snapshot_store),
                         extra_runtimes=extra_runtimes, publish_paused=publish_paused)
     proxy = TrafficProxy(orch, domain=settings.sandbox_domain())

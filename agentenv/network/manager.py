@@ -12,6 +12,7 @@ class NetworkManager:
     async def release_id(self, sandbox_id: str) -> bool  # the same by id; also a netns whose link is gone
     async def cleanup_orphans(self, keep: set[str]) -> list[str]   # by sandbox id; returns removed
     def slot_for(self, sandbox_id: str) -> NetSlot | None
+    async def close(self) -> None              # spare slots (network/spares.py) removed, egress listeners closed
 Extra: teardown_host(), discover(), set_internet(), deactivate().
 
 Why nftables (not iptables): one `nft -f -` call installs a netns' whole ruleset atomically (one
@@ -31,7 +32,6 @@ import concurrent.futures
 import errno
 import logging
 import os
-import subprocess
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -45,7 +45,8 @@ from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure, Unavailable
 from agentenv.network.egress import EGRESS_PROXY_PORT, EgressProxy
 from agentenv.network.policy import EgressPolicy, platform_sets
-from agentenv.network.nsock import netlink_fd
+from agentenv.network import nft
+from agentenv.network.nsock import netlink_fd, rebind
 from agentenv.network.slots import (
     GATEWAY_LINK,
     GUEST_LINK,
@@ -57,7 +58,7 @@ from agentenv.network.slots import (
     slot_capacity,
 )
 from agentenv.network.shaping import cap_bandwidth
-from agentenv.proc import run_cmd
+from agentenv.network.spares import SpareSlots
 
 log = logging.getLogger(__name__)
 
@@ -184,16 +185,15 @@ table ip agentenv {{
 """
 
 
-# Run inside the slot's netns: forwarding on, IPv6 off (nothing of ours speaks it), then nft.
-# The gateway link resolves the guest's address by ARP; a request a just-restored guest misses is
-# retried after retrans_time_ms (1 s by default, which a create then waits out): 50 ms here.
-_NETNS_SETUP_SH = (
-    "echo 1 > /proc/sys/net/ipv4/ip_forward && "
-    f"echo 50 > /proc/sys/net/ipv4/neigh/{GATEWAY_LINK}/retrans_time_ms && "
-    "echo 1 > /proc/sys/net/ipv6/conf/default/disable_ipv6 && "
-    "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6 && "
-    "exec nft -f -"
-)
+# Written inside the slot's netns before its rules: forwarding on, IPv6 off (nothing of ours speaks
+# it). The gateway link resolves the guest's address by ARP; a request a just-restored guest misses
+# is retried after retrans_time_ms (1 s by default, which a create then waits out): 50 ms here.
+_NETNS_SYSCTLS = {
+    "/proc/sys/net/ipv4/ip_forward": "1",
+    f"/proc/sys/net/ipv4/neigh/{GATEWAY_LINK}/retrans_time_ms": "50",
+    "/proc/sys/net/ipv6/conf/default/disable_ipv6": "1",
+    "/proc/sys/net/ipv6/conf/all/disable_ipv6": "1",
+}
 
 
 @contextlib.asynccontextmanager
@@ -220,7 +220,9 @@ def _ignore(e: NetlinkError, *codes: int) -> bool:
 
 
 class NetworkManager:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, spare_slots: int = 0) -> None:
+        """`spare_slots`: how many slots to keep built ahead of demand (the server passes
+        `settings.network_spare_slots`; a harness that times slot building keeps 0)."""
         self.settings = settings
         self.subnet = settings.slot_subnet
         self.capacity = slot_capacity(self.subnet)
@@ -234,28 +236,38 @@ class NetworkManager:
         self.platform = platform_sets(settings.slot_subnet, settings.egress_allow_cidrs)
         self.egress = EgressProxy()
         self._policies: dict[str, EgressPolicy] = {}  # sandbox_id -> policy in force
+        self.spares = SpareSlots(spare_slots, self._new_spare, self._drop_spare)
+        self._unaliased: set[int] = set()  # this process's links without an alias yet: spares, slots being built
 
     # ---------------------------------------------------------------- host setup
 
     async def setup_host(self) -> None:
         """Enable forwarding and install the root-ns table; safe to call on every server start."""
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1\n")
-        await run_cmd(["nft", "-f", "-"], input=_host_ruleset(self.names, *self.platform).encode(),
-                      timeout=CMD_TIMEOUT, what="nft (host rules)")
+        await nft.run(_host_ruleset(self.names, *self.platform))
         await self.discover()
+        await self.drop_stale_spares()
+
+    async def close(self) -> None:
+        """Remove the spare slots and close the egress proxy's listeners. Sandboxes' slots stay: they
+        outlive a server restart (their listeners come back on the next start)."""
+        await self.spares.close()
+        await self.egress.close_all()
 
     async def teardown_host(self) -> None:
         """Remove the root-ns table (ip_forward is left as is: other software may rely on it)."""
-        await run_cmd(["nft", "delete", "table", "ip", self.names.host_table], timeout=CMD_TIMEOUT, check=False)
+        with contextlib.suppress(nft.NftError):
+            await nft.run(f"delete table ip {self.names.host_table}")
 
     async def set_internet(self, slot: NetSlot, allow: bool) -> NetSlot:
         """Switch forwarding of the slot's traffic out of the host on or off."""
-        verb = "add" if allow else "delete"
-        res = await run_cmd(["nft", verb, "element", "ip", self.names.host_table, "internet", f'{{ "{slot.veth_host}" }}'],
-                            timeout=CMD_TIMEOUT, check=False)
-        if res.returncode != 0 and allow:
-            raise RuntimeFailure(f"nft: cannot allow internet for {slot.veth_host}: {res.stderr.strip()} "
-                                 "(was setup_host() called?)")
+        try:
+            await nft.run(f"{'add' if allow else 'delete'} element ip {self.names.host_table} internet "
+                          f'{{ "{slot.veth_host}" }}')
+        except nft.NftError as e:
+            if allow:
+                raise RuntimeFailure(f"nft: cannot allow internet for {slot.veth_host}: {e} "
+                                     "(was setup_host() called?)") from None
         new = NetSlot(**{**slot.__dict__, "allow_internet": allow})
         if self._slots.get(slot.sandbox_id) == slot:
             self._slots[slot.sandbox_id] = new
@@ -286,8 +298,11 @@ class NetworkManager:
         """Rebuild the slot table from the kernel (after a server restart)."""
         async with _netlink() as ipr:
             links = [x async for x in await ipr.link("dump")]
-        res = await run_cmd(["nft", "list", "set", "ip", self.names.host_table, "internet"], timeout=CMD_TIMEOUT, check=False)
-        for sid, slot in self._scan_links(links, res.stdout if res.returncode == 0 else "").items():
+        try:
+            internet = await nft.run(f"list set ip {self.names.host_table} internet")
+        except nft.NftError:
+            internet = ""
+        for sid, slot in self._scan_links(links, internet).items():
             self._slots.setdefault(sid, slot)
         self._discovered = True
         return dict(self._slots)
@@ -326,9 +341,25 @@ class NetworkManager:
                 raise RuntimeFailure(f"netns {self.names.netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
             self._pending.add(sandbox_id)
         try:
+            spare = self.spares.take()
+            if spare is not None:
+                slot = await self._adopt(spare, sandbox_id, allow_internet)
+                if slot is not None:
+                    return await self._register(slot, policy or EgressPolicy(), t0, rules)
             return await self._allocate(sandbox_id, allow_internet, policy or EgressPolicy(), t0, rules)
         finally:
             self._pending.discard(sandbox_id)
+
+    async def _register(self, slot: NetSlot, policy: EgressPolicy, t0: float, rules: bool) -> NetSlot:
+        try:
+            if rules:
+                await self.install_rules(slot, policy)
+        except BaseException:
+            await asyncio.shield(self.release(slot))
+            raise
+        self._slots[slot.sandbox_id] = slot
+        log.debug("adopted spare slot %d for %s in %.1f ms", slot.index, slot.sandbox_id, (time.monotonic() - t0) * 1e3)
+        return slot
 
     async def _allocate(self, sandbox_id: str, allow_internet: bool, policy: EgressPolicy, t0: float,
                         rules: bool) -> NetSlot:
@@ -341,12 +372,15 @@ class NetworkManager:
             slot = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=host_ip,
                            veth_host=self.names.host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
                            allow_internet=allow_internet)
+            self._unaliased.add(index)
             try:
                 await self._create(slot)
+                self._unaliased.discard(index)
                 if rules:
                     await self.install_rules(slot, policy)
                 break
             except _LinkTaken:
+                self._unaliased.discard(index)
                 # aeh<index> belongs to another manager on this host (other server or test run):
                 # keep the index marked used and try the next one.
                 _remove_netns(slot.netns)
@@ -355,12 +389,86 @@ class NetworkManager:
                 await asyncio.shield(self._teardown(slot))
                 async with self._lock:
                     self._used.discard(index)
+                    self._unaliased.discard(index)
                 raise
         else:
             raise Unavailable("could not find a free network slot index (link names taken)")
         self._slots[sandbox_id] = slot
         log.debug("allocated slot %d for %s in %.1f ms", index, sandbox_id, (time.monotonic() - t0) * 1e3)
         return slot
+
+    # ---------------------------------------------------------------- spare slots (network/spares.py)
+
+    async def _new_spare(self) -> NetSlot:
+        """A slot with no sandbox yet: named `spare_netns_name`, its root-ns link without an alias."""
+        for _attempt in range(8):
+            async with self._lock:
+                index = self._pick_index()
+                self._used.add(index)
+                self._unaliased.add(index)
+            peer_ip, host_ip = slot_addresses(self.subnet, index)
+            name = self.names.spare_netns_name(index)
+            slot = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=host_ip,
+                           veth_host=self.names.host_link_name(index), peer_ip=peer_ip)
+            try:
+                await self._create(slot)
+                return slot
+            except _LinkTaken:
+                _remove_netns(slot.netns)
+                self._unaliased.discard(index)
+                continue
+            except BaseException:
+                await asyncio.shield(self._drop_spare(slot))
+                raise
+        raise Unavailable("could not find a free network slot index (link names taken)")
+
+    async def _drop_spare(self, slot: NetSlot) -> None:
+        await _delete_link(slot.veth_host)
+        _remove_netns(slot.netns)
+        async with self._lock:
+            self._used.discard(slot.index)
+            self._unaliased.discard(slot.index)
+
+    async def _adopt(self, spare: NetSlot, sandbox_id: str, allow_internet: bool) -> NetSlot | None:
+        """The spare renamed for `sandbox_id` (its netns and its link's alias), or None (then dropped)."""
+        name = self.names.netns_name(sandbox_id)
+        slot = NetSlot(**{**spare.__dict__, "netns": name, "netns_path": f"{NETNS_RUN_DIR}/{name}",
+                          "sandbox_id": sandbox_id, "allow_internet": allow_internet})
+        try:
+            rebind(spare.netns_path, slot.netns_path)
+        except OSError as e:
+            log.warning("could not adopt spare slot %d for %s: %s", spare.index, sandbox_id, e)
+            await asyncio.shield(self._drop_spare(spare))
+            return None
+        try:
+            async with _netlink() as root:
+                (idx,) = await root.link_lookup(ifname=slot.veth_host)
+                await root.link("set", index=idx, ifalias=sandbox_id)
+        except BaseException:
+            await asyncio.shield(self._drop_spare(slot))
+            raise
+        self._unaliased.discard(slot.index)
+        return slot
+
+    async def drop_stale_spares(self) -> list[str]:
+        """Remove the spares a server of this instance left behind (killed before `close`): root-ns
+        links without an alias and netns named `spare_netns_name`, not built by this process."""
+        removed: list[str] = []
+        async with _netlink() as ipr:
+            links = [x async for x in await ipr.link("dump")]
+        for link in links:
+            index = self.names.parse_host_link(link.get_attr("IFLA_IFNAME") or "")
+            if index is not None and index not in self._unaliased and not link.get_attr("IFLA_IFALIAS"):
+                await _delete_link(self.names.host_link_name(index))
+                async with self._lock:
+                    self._used.discard(index)
+                removed.append(self.names.host_link_name(index))
+        if os.path.isdir(NETNS_RUN_DIR):
+            for name in os.listdir(NETNS_RUN_DIR):
+                if self.names.is_spare_netns(name) and int(name.rsplit("_", 1)[1]) not in self._unaliased:
+                    _remove_netns(name)
+                    removed.append(name)
+        return removed
 
     def _pick_index(self) -> int:
         for i in range(self.capacity):
@@ -384,7 +492,8 @@ class NetworkManager:
                     raise _LinkTaken(slot.veth_host) from e
                 raise
             (idx,) = await root.link_lookup(ifname=slot.veth_host)
-            await root.link("set", index=idx, ifalias=slot.sandbox_id)
+            if slot.sandbox_id:  # a spare gets its alias when a sandbox adopts it
+                await root.link("set", index=idx, ifalias=slot.sandbox_id)
             _disable_ipv6(slot.veth_host)
             await root.addr("add", index=idx, address=slot.peer_ip, prefixlen=30)
             await root.link("set", index=idx, state="up")
@@ -409,9 +518,8 @@ class NetworkManager:
         """The slot's egress rules (nft in the netns, the domain proxy, the internet switch, bandwidth):
         part of `allocate`, or run by its caller before `activate` (`allocate(rules=False)`)."""
         await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)
-        await run_cmd(["nsenter", f"--net={slot.netns_path}", "sh", "-c", _NETNS_SETUP_SH],
-                      input=_netns_ruleset(slot.host_ip, policy, self.platform).encode(), timeout=CMD_TIMEOUT,
-                      what="netns setup")
+        await nft.run(_netns_ruleset(slot.host_ip, policy, self.platform), netns_path=slot.netns_path,
+                      sysctls=_NETNS_SYSCTLS)
         self._policies[slot.sandbox_id] = policy
         if slot.allow_internet:
             await self.set_internet(slot, True)
@@ -426,9 +534,7 @@ class NetworkManager:
         """
         if policy.inspects:
             await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)  # listen before redirecting
-        await run_cmd(["nsenter", f"--net={slot.netns_path}", "nft", "-f", "-"],
-                      input=_netns_ruleset(slot.host_ip, policy, self.platform).encode(), timeout=CMD_TIMEOUT,
-                      what="nft (egress policy)")
+        await nft.run(_netns_ruleset(slot.host_ip, policy, self.platform), netns_path=slot.netns_path)
         self._policies[slot.sandbox_id] = policy
         if not policy.inspects:
             await self.egress.configure(slot.sandbox_id, slot.netns_path, policy)
@@ -445,6 +551,7 @@ class NetworkManager:
         `guest_mac`: the guest's MAC when the runtime takes eth0's (gVisor), as a permanent neighbour
         of gw0: the slot's kernel then never ARPs for the guest. A just-restored guest missed those
         requests now and then, and every connection to it waited ~1 s for the next round."""
+        self.spares.busy()
         async with _netlink(netns=slot.netns) as ns:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
@@ -507,29 +614,30 @@ class NetworkManager:
         # The proxy's listener holds a reference to the netns: close it first or the namespace lives on.
         await self.egress.close(slot.sandbox_id)
         self._policies.pop(slot.sandbox_id, None)
-        await _delete_link(slot.veth_host)
+        await asyncio.gather(_delete_link(slot.veth_host), self._forget_internet(slot.veth_host))
         _remove_netns(slot.netns)
-        await run_cmd(["nft", "delete", "element", "ip", self.names.host_table, "internet", f'{{ "{slot.veth_host}" }}'],
-                      timeout=CMD_TIMEOUT, check=False)
+
+    async def _forget_internet(self, ifname: str) -> None:
+        with contextlib.suppress(nft.NftError):  # not there: the slot had no internet
+            await nft.run(f'delete element ip {self.names.host_table} internet {{ "{ifname}" }}')
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Remove every agentenv netns / aeh* link whose sandbox id is not in `keep`."""
         removed: set[str] = set()
         async with _netlink() as ipr:
             links = [x async for x in await ipr.link("dump")]
+        spares = self._unaliased
         for link in links:
             ifname = link.get_attr("IFLA_IFNAME") or ""
             index = self.names.parse_host_link(ifname)
-            if index is None:
+            if index is None or index in spares:
                 continue
             sid = link.get_attr("IFLA_IFALIAS") or ""
             if sid in keep:
                 continue
             if sid:
                 await self.egress.close(sid)
-            await _delete_link(ifname)
-            await run_cmd(["nft", "delete", "element", "ip", self.names.host_table, "internet", f'{{ "{ifname}" }}'],
-                          timeout=CMD_TIMEOUT, check=False)
+            await asyncio.gather(_delete_link(ifname), self._forget_internet(ifname))
             async with self._lock:
                 self._used.discard(index)
                 if sid:
@@ -550,9 +658,10 @@ class NetworkManager:
 def _scan_kernel_sync(host_table: str) -> tuple[list, str]:
     with IPRoute() as ipr:
         links = list(ipr.link("dump"))
-    res = subprocess.run(["nft", "list", "set", "ip", host_table, "internet"], capture_output=True,
-                         text=True, timeout=CMD_TIMEOUT)
-    return links, res.stdout if res.returncode == 0 else ""
+    try:
+        return links, nft.run_here(f"list set ip {host_table} internet")
+    except nft.NftError:
+        return links, ""
 
 
 async def _host_neighbours(slot: NetSlot, root: AsyncIPRoute, veth_host: int, ns: AsyncIPRoute, host0: int) -> None:

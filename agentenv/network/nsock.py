@@ -20,6 +20,7 @@ CLONE_NEWNET = 0x40000000
 MS_BIND = 4096
 MS_REC = 16384
 MS_SHARED = 1 << 20
+MNT_DETACH = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -51,6 +52,19 @@ def _create_here(path: str) -> None:
     except BaseException:
         os.unlink(path)
         raise
+
+
+def rebind(old: str, new: str) -> None:
+    """Give the netns bound at `old` the name `new` (a bind mount at `new`, then `old` unmounted and
+    removed). `new` must not exist. A rename(2) of a mount point is refused (EBUSY)."""
+    os.close(os.open(new, os.O_RDONLY | os.O_CREAT | os.O_EXCL, 0))
+    try:
+        _check(_libc.mount(old.encode(), new.encode(), b"none", MS_BIND, None), "mount --bind", new)
+    except BaseException:
+        os.unlink(new)
+        raise
+    _check(_libc.umount2(old.encode(), MNT_DETACH), "umount", old)
+    os.unlink(old)
 
 
 def _enter_here(path: str) -> None:

@@ -6,7 +6,7 @@ That makes a checkpoint restorable into any fresh slot unchanged (fork children)
 
 Topology of slot <i> (addresses from settings.slot_subnet, one /30 per slot):
 
-    root netns                      netns agentenv-<sandbox_id>
+    root netns                      netns agentenv-<sandbox_id> (agentenv-_<i> while spare)
     aeh<i>  (base+4i+1/30) <veth>   host0 (base+4i+2/30 = host_ip, DNAT -> GUEST_IP)
                                     gw0   (GUEST_GATEWAY_IP/30) <veth> eth0 (GUEST_IP/30, owned by gVisor)
 """
@@ -52,12 +52,20 @@ class SlotNames:
     def netns_name(self, sandbox_id: str) -> str:
         return f"{self.netns_prefix}{sandbox_id}"
 
+    def spare_netns_name(self, index: int) -> str:
+        """A slot built ahead of demand (`network/spares.py`): `_` is in no sandbox id."""
+        return f"{self.netns_prefix}_{index}"
+
+    def is_spare_netns(self, name: str) -> bool:
+        rest = name[len(self.netns_prefix):] if name.startswith(self.netns_prefix) else ""
+        return rest.startswith("_") and rest[1:].isdigit()
+
     def sandbox_of_netns(self, name: str) -> str | None:
         """The sandbox id a netns name of this instance encodes, or None if it is not ours."""
         if not name.startswith(self.netns_prefix):
             return None
         sid = name[len(self.netns_prefix):]
-        return sid if sid and "-" not in sid else None
+        return sid if sid and "-" not in sid and "_" not in sid else None
 
     def host_link_name(self, index: int) -> str:
         return f"{self.link_prefix}{index}"

@@ -236,20 +236,30 @@ class SandboxHost:
         """The sandbox's layers present, its rootfs mounted and a network slot (in parallel; `slot`:
         keep that one, a capture's source restored in place). Under a runtime that is not a VM the
         slot's egress rules are installed by `launch`, alongside the start or restore (`_rules`)."""
-        await self.settled(rec.sandbox_id)  # a pause's stand-down still in flight
-        for digest in rec.layers:
-            await self.artifacts.ensure_layer(digest)
+        with span("host.settled", rec.sandbox_id):
+            await self.settled(rec.sandbox_id)  # a pause's stand-down still in flight
+        with span("host.layers", rec.sandbox_id):
+            for digest in rec.layers:
+                await self.artifacts.ensure_layer(digest)
+
+        async def mount() -> Path:
+            with span("rootfs.mount", rec.sandbox_id):
+                return await self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb)
+
         if slot is None:
             policy = policy_of(rec)
             later = not self.runtime_named(rec.runtime).traits.vm
-            rootfs, slot = await asyncio.gather(
-                self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb),
-                self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress, policy=policy,
-                                      rules=not later))
+
+            async def allocate() -> NetSlot:
+                with span("network.slot", rec.sandbox_id):
+                    return await self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress,
+                                                       policy=policy, rules=not later)
+
+            rootfs, slot = await asyncio.gather(mount(), allocate())
             if later:
                 self._rules[rec.sandbox_id] = policy
         else:
-            rootfs = await self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb)
+            rootfs = await mount()
         self.slots[rec.sandbox_id] = slot
         return rootfs, slot
 
@@ -556,6 +566,7 @@ class SandboxHost:
         for sid in sorted(known - keep):
             if await self.network.release_id(sid):
                 removed["netns"].append(sid)
+        removed["netns"] += await self.network.drop_stale_spares()  # a killed server's spare slots
         removed["rootfs"] = list(await self.rootfs.cleanup_orphans(keep))
         if failed:
             raise GcIncomplete(removed, failed)

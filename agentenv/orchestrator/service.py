@@ -203,9 +203,7 @@ class Orchestrator:
             if kill_running:
                 ids = [r.sandbox_id for r in self.lifecycle.records() if r.state != SandboxState.PAUSED]
                 await asyncio.gather(*(self._kill_quietly(sid) for sid in ids))
-            egress = getattr(self.host.network, "egress", None)
-            if egress is not None:
-                await egress.close_all()  # running sandboxes kept: their listeners come back on the next start
+            await self.host.network.close()  # spare slots; running sandboxes keep theirs
             await self.host.close()
 
     async def _ensure_default_templates(self) -> None:

@@ -1,0 +1,82 @@
+"""Network slots made ahead of demand: a create, resume or fork child adopts one instead of building it.
+
+Building a slot (a netns, two veth pairs, their addresses, routes and neighbours: ~25 netlink calls)
+takes ~14 ms on the path of every sandbox that comes up, before its runtime can start in it. A spare
+is a slot built while the node is quiet, under a name of its own; `NetworkManager.allocate` renames
+it to the sandbox's (one bind mount and one netlink call, ~1 ms) and installs its rules as usual.
+e2b-dev/infra's orchestrator keeps such a pool of ready slots too.
+
+Spares are filled only while no slot was handed out or activated for `QUIET_S`: bringing sandboxes up
+is what the node's CPU is for, and a fill in the middle of a fork of 16 would slow its children by
+what it saves them. Under sustained load the spares run out and `allocate` builds slots as before.
+The filling starts at the first allocation (a server that never starts a sandbox builds none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from agentenv.network.slots import NetSlot
+
+log = logging.getLogger(__name__)
+
+QUIET_S = 0.25      # no slot handed out or activated for this long: the node is quiet enough to fill
+RETRY_S = 5.0       # after a failed build
+
+
+class SpareSlots:
+    """Up to `target` ready slots; `make` builds one, `drop` removes one (both the manager's)."""
+
+    def __init__(self, target: int, make: Callable[[], Awaitable[NetSlot]],
+                 drop: Callable[[NetSlot], Awaitable[None]]) -> None:
+        self.target = target
+        self._make, self._drop = make, drop
+        self._ready: list[NetSlot] = []
+        self._task: asyncio.Task | None = None
+        self._busy_until = 0.0
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def busy(self) -> None:
+        """A slot was handed out or activated: sandboxes are coming up, wait before filling."""
+        self._busy_until = time.monotonic() + QUIET_S
+
+    def take(self) -> NetSlot | None:
+        """A ready slot, or None; either way the filling is (re)armed."""
+        self.busy()
+        slot = self._ready.pop() if self._ready else None
+        if self.target and not self._closed and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._fill(), name="network-spares")
+        return slot
+
+    async def _fill(self) -> None:
+        while len(self._ready) < self.target and not self._closed:
+            wait = self._busy_until - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            try:
+                slot = await self._make()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a create builds its slot itself meanwhile
+                log.warning("could not build a spare network slot: %s", e)
+                await asyncio.sleep(RETRY_S)
+                continue
+            self._ready.append(slot)
+
+    async def close(self) -> None:
+        """Stop filling and remove every spare."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        while self._ready:
+            await self._drop(self._ready.pop())
