@@ -340,6 +340,7 @@ class NetworkManager:
             if os.path.exists(os.path.join(NETNS_RUN_DIR, self.names.netns_name(sandbox_id))):
                 raise RuntimeFailure(f"netns {self.names.netns_name(sandbox_id)} already exists (stale? run cleanup_orphans)")
             self._pending.add(sandbox_id)
+            self.spares.coming_up(sandbox_id)
         try:
             spare = self.spares.take()
             if spare is not None:
@@ -347,6 +348,9 @@ class NetworkManager:
                 if slot is not None:
                     return await self._register(slot, policy or EgressPolicy(), t0, rules)
             return await self._allocate(sandbox_id, allow_internet, policy or EgressPolicy(), t0, rules)
+        except BaseException:
+            self.spares.up(sandbox_id)
+            raise
         finally:
             self._pending.discard(sandbox_id)
 
@@ -551,7 +555,7 @@ class NetworkManager:
         `guest_mac`: the guest's MAC when the runtime takes eth0's (gVisor), as a permanent neighbour
         of gw0: the slot's kernel then never ARPs for the guest. A just-restored guest missed those
         requests now and then, and every connection to it waited ~1 s for the next round."""
-        self.spares.busy()
+        self.spares.up(slot.sandbox_id)
         async with _netlink(netns=slot.netns) as ns:
             for ifname in (GATEWAY_LINK, NS_HOST_LINK):
                 (idx,) = await ns.link_lookup(ifname=ifname)
@@ -590,6 +594,7 @@ class NetworkManager:
     # ---------------------------------------------------------------- release
 
     async def release(self, slot: NetSlot) -> None:
+        self.spares.up(slot.sandbox_id)
         await self._teardown(slot)
         async with self._lock:
             if self._slots.get(slot.sandbox_id, slot).index == slot.index:

@@ -6,9 +6,10 @@ is a slot built while the node is quiet, under a name of its own; `NetworkManage
 it to the sandbox's (one bind mount and one netlink call, ~1 ms) and installs its rules as usual.
 e2b-dev/infra's orchestrator keeps such a pool of ready slots too.
 
-Spares are filled only while no slot was handed out or activated for `QUIET_S`: bringing sandboxes up
-is what the node's CPU is for, and a fill in the middle of a fork of 16 would slow its children by
-what it saves them. Under sustained load the spares run out and `allocate` builds slots as before.
+Spares are filled only while no sandbox is coming up (a slot handed out and not yet activated or
+released) and none was for `QUIET_S`: bringing sandboxes up is what the node's CPU is for, and a
+fill during a fork of 16 would slow its children by what it saves them. Under sustained load the
+spares run out and `allocate` builds slots as before.
 The filling starts at the first allocation (a server that never starts a sandbox builds none).
 """
 
@@ -24,7 +25,8 @@ from agentenv.network.slots import NetSlot
 
 log = logging.getLogger(__name__)
 
-QUIET_S = 0.25      # no slot handed out or activated for this long: the node is quiet enough to fill
+QUIET_S = 1.0       # no slot handed out or activated for this long: the node is quiet enough to fill
+STUCK_S = 60.0      # a slot handed out this long ago and never activated or released no longer counts
 RETRY_S = 5.0       # after a failed build
 
 
@@ -38,18 +40,35 @@ class SpareSlots:
         self._ready: list[NetSlot] = []
         self._task: asyncio.Task | None = None
         self._busy_until = 0.0
+        self._coming_up: dict[str, float] = {}  # sandbox id -> when its slot was handed out
         self._closed = False
 
     def __len__(self) -> int:
         return len(self._ready)
 
-    def busy(self) -> None:
-        """A slot was handed out or activated: sandboxes are coming up, wait before filling."""
-        self._busy_until = time.monotonic() + QUIET_S
+    def coming_up(self, sandbox_id: str) -> None:
+        """`sandbox_id` got a slot (a spare or a new one): no filling until it is up or gone."""
+        now = time.monotonic()
+        self._coming_up[sandbox_id] = now
+        self._busy_until = now + QUIET_S
+
+    def up(self, sandbox_id: str) -> None:
+        """Its slot was activated or released."""
+        if self._coming_up.pop(sandbox_id, None) is not None:
+            self._busy_until = time.monotonic() + QUIET_S
+
+    def _quiet(self) -> float:
+        """0 when the node is quiet enough to fill, else how long to wait before looking again."""
+        now = time.monotonic()
+        for sid, since in list(self._coming_up.items()):
+            if now - since > STUCK_S:
+                del self._coming_up[sid]
+        if self._coming_up:
+            return QUIET_S
+        return max(self._busy_until - now, 0.0)
 
     def take(self) -> NetSlot | None:
         """A ready slot, or None; either way the filling is (re)armed."""
-        self.busy()
         slot = self._ready.pop() if self._ready else None
         if self.target and not self._closed and (self._task is None or self._task.done()):
             self._task = asyncio.get_running_loop().create_task(self._fill(), name="network-spares")
@@ -57,7 +76,7 @@ class SpareSlots:
 
     async def _fill(self) -> None:
         while len(self._ready) < self.target and not self._closed:
-            wait = self._busy_until - time.monotonic()
+            wait = self._quiet()
             if wait > 0:
                 await asyncio.sleep(wait)
                 continue
