@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable
@@ -29,6 +30,7 @@ from agentenv.models import SandboxRecord, SandboxState
 from agentenv.orchestrator.host import SandboxHost, Sealed
 from agentenv.orchestrator.lifecycle import Lifecycle
 from agentenv.orchestrator.livecapture import LiveCapture
+from agentenv.storage.artifactfiles import REQUIRES_FILE
 
 log = logging.getLogger("agentenv.orchestrator")
 
@@ -36,18 +38,27 @@ log = logging.getLogger("agentenv.orchestrator")
 @dataclass
 class Captured:
     """A capture: `view` is the source's record as captured (its layers are the capture's chain),
-    `sealed.memory` its memory image; both pinned until `Capture.release`."""
+    `sealed.memory` its memory image (or `image`, not sealed); kept until `Capture.release`."""
 
     view: SandboxRecord
     sealed: Sealed
     frozen_s: float | None = None  # how long the source was frozen (captures that leave it running)
     result: Any = None             # what `then` returned
     pins: list[str] = field(default_factory=list)  # more layers kept from GC until `release`
+    image: Path | None = None      # the memory image as taken, when it was not sealed (`seal_memory=False`)
 
     @property
     def memory(self) -> str:
         assert self.sealed.memory is not None
         return self.sealed.memory
+
+    @property
+    def restore_from(self) -> Path | None:
+        """The memory image's directory, if the capture has its own (`image`); else see `memory`."""
+        return self.image
+
+
+FORK_IMAGE_PREFIX = "fork-image-"  # in the source's dir: an image its fork's children restore from
 
 
 class Capture:
@@ -75,12 +86,18 @@ class Capture:
         tmp.write_text(json.dumps({"layers": rec.layers, **state}))
         os.replace(tmp, path)
 
+    def drop_kept_images(self, sandbox_id: str) -> None:
+        """Images a fork kept for its children (`Captured.image`) that a killed server left behind."""
+        for d in self.host.sandbox_dir(sandbox_id).glob(f"{FORK_IMAGE_PREFIX}*"):
+            shutil.rmtree(d, ignore_errors=True)
+
     def busy(self, sandbox_id: str) -> bool:
         """A capture of the sandbox is under way (from its checkpoint until its image is sealed)."""
         return sandbox_id in self._busy
 
     async def locked(self, sandbox_id: str, team_id: str | None, op: str,
-                     then: Callable[[Captured], Awaitable[Any]] | None = None) -> Captured:
+                     then: Callable[[Captured], Awaitable[Any]] | None = None, *,
+                     seal_memory: bool = True) -> Captured:
         """Under the sandbox's lock: check `op` is legal, capture, and land in its final state.
 
         A refusal before anything happened (open TCP connections) leaves the sandbox as it was.
@@ -88,6 +105,10 @@ class Capture:
         of its upper, then RUNNING again while the copy and the image are sealed. `then` runs under
         the lock once the capture is sealed (a checkpoint commits itself there, so its parent is
         the sandbox's last one). The caller releases the result (`release`).
+
+        `seal_memory=False` (a fork: its children restore from the image once, nothing keeps it): a
+        capture that left the source running keeps its image as taken (`Captured.image`), without
+        hashing it into the page store; `release` removes it.
         """
         async with self.lifecycle.lock(sandbox_id):
             rec = self.lifecycle.live(sandbox_id, team_id)
@@ -95,7 +116,7 @@ class Capture:
             self._busy.add(sandbox_id)
             try:
                 if self.host.captures_running(rec):
-                    got = await self._capture_running(rec, before, final)
+                    got = await self._capture_running(rec, before, final, seal_memory)
                 else:
                     got = await self._capture_stopping(rec, before, final)
                 if then is not None:
@@ -112,6 +133,8 @@ class Capture:
         """The capture's artifacts are referenced by records or snapshots now (or were not wanted)."""
         self.host.unpin_sealed(got.sealed)
         self.host.unpin_layers(got.pins)
+        if got.image is not None:
+            shutil.rmtree(got.image, ignore_errors=True)
 
     async def _capture_stopping(self, rec: SandboxRecord, before: SandboxState, final: SandboxState) -> "Captured":
         try:
@@ -123,7 +146,7 @@ class Capture:
         return Captured(replace(rec, layers=list(rec.layers)), Sealed(None, mem))
 
     async def _capture_running(self, rec: SandboxRecord, before: SandboxState,
-                               final: SandboxState) -> "Captured":
+                               final: SandboxState, seal_memory: bool = True) -> "Captured":
         """The source keeps running: frozen for its image + upper copy, RUNNING while they are sealed."""
         host = self.host
         sid = rec.sandbox_id
@@ -140,10 +163,16 @@ class Capture:
             return await self._restart_after_failed_thaw(rec, image, upper_copy, final, e)
         t_back = time.monotonic() - t0
         await self.lifecycle.settle(rec, final)  # usable again: traffic no longer waits
+        kept: Path | None = None
+        if not seal_memory and not (image / REQUIRES_FILE).exists():  # a VM's image names its drives: sealed
+            kept = host.sandbox_dir(sid) / f"{FORK_IMAGE_PREFIX}{secrets.token_hex(6)}"  # the next capture reuses `image`
+            os.replace(image, kept)
         try:
-            sealed = await self.live.seal_copy(sid, image, upper_copy)
+            sealed = await self.live.seal_copy(sid, image if kept is None else None, upper_copy)
         except Exception as e:  # noqa: BLE001 - e.g. the disk is full: the source runs on, untouched
             host.unpin_layers(frozen.base)
+            if kept is not None:
+                shutil.rmtree(kept, ignore_errors=True)
             log.error("sealing the capture of %s failed: %s", sid, e)
             raise Unavailable(f"Sandbox {sid} could not be captured: sealing its image failed ({e}); "
                               "the sandbox keeps running unchanged", error_code="capture_failed",
@@ -157,7 +186,7 @@ class Capture:
                  "(layer %s, %s)", sid, frozen.frozen_s, t_back, time.monotonic() - t0,
                  sealed.layer[:12] if sealed.layer else "-",
                  "whole upper" if frozen.base == list(rec.layers) else f"delta over {len(frozen.base)} layers")
-        return Captured(replace(rec, layers=layers), sealed, frozen_s=frozen.frozen_s, pins=frozen.base)
+        return Captured(replace(rec, layers=layers), sealed, frozen_s=frozen.frozen_s, pins=frozen.base, image=kept)
 
     async def _restart_after_failed_thaw(self, rec: SandboxRecord, image: Path, upper_copy: Path,
                                          final: SandboxState, why: Exception) -> "Captured":

@@ -131,13 +131,15 @@ class LiveCapture:
                                    "index": got.index}))
         os.replace(tmp, path)
 
-    async def seal_copy(self, sandbox_id: str, image: Path, upper_copy: Path) -> Sealed:
-        """Seal what `checkpoint_running` took: the upper's copy into a layer, the image into a memory
-        artifact (both pinned against GC until the caller unpins them: `unpin_sealed`)."""
+    async def seal_copy(self, sandbox_id: str, image: Path | None, upper_copy: Path) -> Sealed:
+        """Seal what `checkpoint_running` took: the upper's copy into a layer, the image (if given) into
+        a memory artifact (both pinned against GC until the caller unpins them: `unpin_sealed`)."""
         with span("seal.upper", sandbox_id):
             layer = await self.host.artifacts.seal_upper(upper_copy)
         if layer:
             self.host.pin_layer(layer)
+        if image is None:
+            return Sealed(layer, None)
         try:
             with span("seal.memory", sandbox_id):
                 mem = await self.host.artifacts.seal_memory(image)

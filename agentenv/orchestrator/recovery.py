@@ -78,6 +78,7 @@ async def reconcile(orch: "Orchestrator") -> None:
             await rt.resume(rec.sandbox_id)
         if alive:
             lifecycle.adopt(rec)
+            orch.captures.drop_kept_images(rec.sandbox_id)
             host.runtime_of[rec.sandbox_id] = rec.runtime
             try:
                 # the egress proxy's listener died with the old process; the nft rules did not

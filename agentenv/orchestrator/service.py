@@ -482,11 +482,12 @@ class Orchestrator:
 
     async def _fork_admitted(self, req: ops.ForkSandbox) -> list[SandboxRecord | AgentEnvError]:
         t0 = time.monotonic()
-        got = await self.captures.locked(req.sandbox_id, req.team_id, "fork")
+        # the children restore from the image as taken: no hashing into the page store on their path
+        got = await self.captures.locked(req.sandbox_id, req.team_id, "fork", seal_memory=False)
         source_back = time.monotonic() - t0
         try:
             children = [self.starts.child_of(got.view, req.timeout) for _ in range(req.count)]
-            mem_dir = self.host.artifacts.memory_dir(got.memory)
+            mem_dir = got.restore_from or self.host.artifacts.memory_dir(got.memory)
 
             async def one(child: SandboxRecord) -> SandboxRecord | AgentEnvError:
                 try:

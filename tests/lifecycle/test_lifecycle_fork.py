@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from agentenv.orchestrator.capture import FORK_IMAGE_PREFIX
 from e2b import Sandbox
 
 from lifecycle_util import WORK, ask_worker, assert_same_worker, kill_quietly, read_state, setup_worker
@@ -36,6 +37,10 @@ def test_fork_16_children_keep_process_memory_and_files(server, tracker):
         assert not errors, f"{len(errors)} fork children failed: {errors[:3]}\n{server.log_tail(40)}"
         ids = {c.sandbox_id for c in children}
         assert len(ids) == FORK_COUNT and src.sandbox_id not in ids
+
+        # The image the children restored from was not kept (nor sealed into the page store: a fork
+        # keeps it only until its children are up)
+        assert not list((server.data_dir / "sandboxes" / src.sandbox_id).glob(f"{FORK_IMAGE_PREFIX}*"))
 
         # The source keeps running under the same id with the same process.
         src_after = ask_worker(src)
