@@ -46,7 +46,7 @@ from agentenv.errors import RuntimeFailure, Unavailable
 from agentenv.network.egress import EGRESS_PROXY_PORT, EgressProxy
 from agentenv.network.policy import EgressPolicy, platform_sets
 from agentenv.network import nft
-from agentenv.network.nsock import netlink_fd, rebind
+from agentenv.network.nsock import flush_conntrack, netlink_fd, rebind
 from agentenv.network.slots import (
     GATEWAY_LINK,
     GUEST_LINK,
@@ -454,6 +454,49 @@ class NetworkManager:
         self._unaliased.discard(slot.index)
         return slot
 
+    async def _recycle(self, slot: NetSlot) -> bool:
+        """Reset a released slot and keep it as a spare; False when that failed before it was renamed
+        (the caller removes it as usual)."""
+        async def inside() -> None:
+            await flush_conntrack(slot.netns_path)  # no flow of the old guest reaches the next one
+            await self.deactivate(slot)  # gw0 and host0 down: nothing passes until the next `activate`
+
+        try:
+            await self.egress.close(slot.sandbox_id)
+            self._policies.pop(slot.sandbox_id, None)
+            # The old rules stay until the next sandbox's replace them (one transaction, before its
+            # `activate`): flushing them would cost a kernel commit (~10-20 ms) for nothing.
+            await asyncio.gather(self._forget_internet(slot.veth_host), inside())
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not reset the slot of %s for reuse, removing it: %s", slot.sandbox_id, e)
+            return False
+        name = self.names.spare_netns_name(slot.index)
+        spare = NetSlot(index=slot.index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=slot.host_ip,
+                        veth_host=slot.veth_host, peer_ip=slot.peer_ip)
+        async with self._lock:
+            if self._slots.get(slot.sandbox_id, slot).index == slot.index:
+                self._slots.pop(slot.sandbox_id, None)
+            self._unaliased.add(slot.index)
+        try:
+            rebind(slot.netns_path, spare.netns_path)
+        except OSError as e:
+            log.warning("could not rename the slot of %s for reuse, removing it: %s", slot.sandbox_id, e)
+            self._unaliased.discard(slot.index)
+            await self._teardown(slot)
+            async with self._lock:
+                self._used.discard(slot.index)
+            return True
+        try:
+            async with _netlink() as root:
+                (idx,) = await root.link_lookup(ifname=slot.veth_host)
+                await root.link("set", index=idx, ifalias="")
+        except Exception as e:  # noqa: BLE001
+            log.warning("could not reset the slot of %s for reuse, removing it: %s", slot.sandbox_id, e)
+            await self._drop_spare(spare)
+            return True
+        self.spares.put(spare)
+        return True
+
     async def drop_stale_spares(self) -> list[str]:
         """Remove the spares a server of this instance left behind (killed before `close`): root-ns
         links without an alias and netns named `spare_netns_name`, not built by this process."""
@@ -593,8 +636,13 @@ class NetworkManager:
 
     # ---------------------------------------------------------------- release
 
-    async def release(self, slot: NetSlot) -> None:
+    async def release(self, slot: NetSlot, *, reuse: bool = False) -> None:
+        """The slot goes. `reuse`: the caller knows nothing of its sandbox runs any more (its runtime
+        stopped it, and the runtime is not a VM: a VM's tap devices would stay in the netns), so
+        the slot may become a spare again (`spares.py`)."""
         self.spares.up(slot.sandbox_id)
+        if reuse and slot.sandbox_id and self.spares.wants() and await self._recycle(slot):
+            return
         await self._teardown(slot)
         async with self._lock:
             if self._slots.get(slot.sandbox_id, slot).index == slot.index:

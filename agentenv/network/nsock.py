@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import os
 import socket
+import struct
 import threading
 
 CLONE_NEWNET = 0x40000000
@@ -114,3 +116,31 @@ async def socket_in(path: str, family: int, type_: int, proto: int = 0, *, creat
 async def netlink_fd(path: str, *, create: bool = False, proto: int = socket.NETLINK_ROUTE) -> int:
     """A netlink socket's fd inside the netns bound at `path` (`create`: make the netns if missing)."""
     return (await socket_in(path, socket.AF_NETLINK, socket.SOCK_DGRAM, proto, create=create)).detach()
+
+
+NETLINK_NETFILTER = 12
+_NFNL_SUBSYS_CTNETLINK = 1
+_IPCTNL_MSG_CT_DELETE = 2
+_NLM_F_REQUEST, _NLM_F_ACK = 0x1, 0x4
+_NLMSG_ERROR = 2
+
+
+async def flush_conntrack(path: str, timeout: float = 5.0) -> None:
+    """Forget every connection-tracking entry of the netns bound at `path` (`conntrack -F` there):
+    one ctnetlink DELETE request without attributes, for IPv4."""
+    sock = await socket_in(path, socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    try:
+        sock.setblocking(False)
+        sock.bind((0, 0))
+        header = struct.pack("=IHHII", 20, (_NFNL_SUBSYS_CTNETLINK << 8) | _IPCTNL_MSG_CT_DELETE,
+                             _NLM_F_REQUEST | _NLM_F_ACK, 1, 0)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(sock, header + struct.pack("=BBH", socket.AF_INET, 0, 0))
+        data = await asyncio.wait_for(loop.sock_recv(sock, 4096), timeout)
+        _length, kind = struct.unpack_from("=IH", data)
+        if kind == _NLMSG_ERROR:
+            (err,) = struct.unpack_from("=i", data, 16)
+            if err not in (0, -errno.ENOENT):
+                raise OSError(-err, f"conntrack flush: {os.strerror(-err)}", path)
+    finally:
+        sock.close()

@@ -4,7 +4,11 @@ Building a slot (a netns, two veth pairs, their addresses, routes and neighbours
 takes ~14 ms on the path of every sandbox that comes up, before its runtime can start in it. A spare
 is a slot built while the node is quiet, under a name of its own; `NetworkManager.allocate` renames
 it to the sandbox's (one bind mount and one netlink call, ~1 ms) and installs its rules as usual.
-e2b-dev/infra's orchestrator keeps such a pool of ready slots too.
+A released slot whose sandbox is gone for sure (its runtime stopped it) becomes a spare again
+while there are fewer than `target`: its rules, connection tracking and internet switch are reset
+and its links put back as before a start (`NetworkManager.release(reuse=True)`), which spares the
+kernel deleting a netns and two veth pairs and building them anew. e2b-dev/infra's orchestrator keeps
+such pools of new and of reused slots too.
 
 Spares are filled only while no sandbox is coming up (a slot handed out and not yet activated or
 released) and none was for `QUIET_S`: bringing sandboxes up is what the node's CPU is for, and a
@@ -66,6 +70,14 @@ class SpareSlots:
         if self._coming_up:
             return QUIET_S
         return max(self._busy_until - now, 0.0)
+
+    def wants(self) -> bool:
+        """Whether a released slot, reset, would be kept (`put`) rather than removed."""
+        return bool(self.target) and not self._closed and len(self._ready) < self.target
+
+    def put(self, slot: NetSlot) -> None:
+        """A released slot, reset for its next sandbox (`NetworkManager.release(reuse=True)`)."""
+        self._ready.append(slot)
 
     def take(self) -> NetSlot | None:
         """A ready slot, or None; either way the filling is (re)armed."""

@@ -465,7 +465,8 @@ class SandboxHost:
         except Exception:  # noqa: BLE001 - a resume's restore says so if the container is still there
             log.exception("stopping the paused sandbox %s failed", sandbox_id)
             return  # its rootfs stays mounted under the frozen container; `teardown` stops it again
-        await asyncio.gather(self.release_slot(sandbox_id), self._unmount_quietly(sandbox_id))
+        await asyncio.gather(self.release_slot(sandbox_id, stopped=self.runtime_for(sandbox_id, recorded_runtime).name),
+                             self._unmount_quietly(sandbox_id))
 
     async def _unmount_quietly(self, sandbox_id: str) -> None:
         try:
@@ -479,14 +480,17 @@ class SandboxHost:
         if after is not None:  # a stand-down in flight
             await asyncio.gather(after, return_exceptions=True)
         await self.quiesce(sandbox_id)
+        stopped: str | None = None
         try:
             with span("runtime.stop", sandbox_id):
-                await self.runtime_for(sandbox_id, recorded_runtime).stop(sandbox_id)
+                rt = self.runtime_for(sandbox_id, recorded_runtime)
+                await rt.stop(sandbox_id)
+                stopped = rt.name
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
         # independent of each other
-        await asyncio.gather(self.release_slot(sandbox_id), self._unmount_quietly(sandbox_id))
+        await asyncio.gather(self.release_slot(sandbox_id, stopped=stopped), self._unmount_quietly(sandbox_id))
         # The sandbox dir goes last: while it exists, `agentenv gc` after a crash knows the sandbox
         # and removes whatever of it is left (a warm-image sandbox's netns has no record to find it by).
         try:
@@ -505,15 +509,17 @@ class SandboxHost:
         except Exception:  # noqa: BLE001
             log.exception("stop of %s failed", sandbox_id)
 
-    async def release_slot(self, sandbox_id: str) -> None:
+    async def release_slot(self, sandbox_id: str, *, stopped: str | None = None) -> None:
         """The sandbox's slot goes, also one a crash left half-released (its netns without its link),
-        which would refuse the sandbox's next bring-up."""
+        which would refuse the sandbox's next bring-up. `stopped`: the runtime that has just stopped
+        the sandbox; if it is not a VM (whose tap devices live in the slot), the slot may be reused."""
         self._rules.pop(sandbox_id, None)
         slot = self.slots.pop(sandbox_id, None)
+        reuse = stopped is not None and not self.runtime_named(stopped).traits.vm
         try:
             with span("network.release", sandbox_id):
                 if slot is not None:
-                    await self.network.release(slot)
+                    await self.network.release(slot, reuse=reuse)
                 else:
                     await self.network.release_id(sandbox_id)
         except Exception:  # noqa: BLE001

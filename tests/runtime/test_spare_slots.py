@@ -34,10 +34,10 @@ async def wait_for(what, timeout: float = 15.0) -> None:
 
 
 @pytest.fixture
-async def spare_kit(settings: Settings):
+async def spare_kit(settings: Settings, request):
     if _missing():
         pytest.skip(_missing())
-    net = NetworkManager(settings, spare_slots=2)
+    net = NetworkManager(settings, spare_slots=getattr(request, "param", 2))
     await net.setup_host()
     k = SandboxKit(settings, net, GVisorRuntime(settings), DATA_DIR / "tools")
     try:
@@ -89,3 +89,38 @@ async def test_a_killed_servers_spares_are_removed_on_the_next_start(spare_kit: 
     assert net2.slot_for(box.sandbox_id) == box.slot  # a sandbox's slot is not a spare
     assert http_get(box.slot.host_ip, "/whoami")
     await net2.close()
+
+
+def conntrack_entries(netns: str) -> int:
+    return len(run("ip", "netns", "exec", netns, "cat", "/proc/net/nf_conntrack").stdout.splitlines())
+
+
+async def test_a_released_slot_is_reset_and_serves_the_next_sandbox(spare_kit: SandboxKit):
+    net = spare_kit.net
+    net.spares.coming_up("held")  # as if a sandbox were coming up: no spare is built meanwhile
+    old, _ = await spare_kit.start(allow_internet=True)
+    assert http_get(old.slot.host_ip, "/whoami")  # a tracked connection in its netns
+    assert conntrack_entries(old.slot.netns) > 0
+    await spare_kit.rt.stop(old.sandbox_id)
+    n = len(net.spares)
+    await net.release(old.slot, reuse=True)  # its runtime stopped it
+    spare_kit.boxes.remove(old)
+    run("umount", str(old.rootfs))
+    reused = net.names.spare_netns_name(old.slot.index)
+    assert n < 2 and len(net.spares) == n + 1 and os.path.exists(f"/run/netns/{reused}")
+    assert not os.path.exists(old.slot.netns_path) and net.slot_for(old.sandbox_id) is None
+    assert conntrack_entries(reused) == 0, "a flow of the old guest could reach the next one"
+    assert f'"{old.slot.veth_host}"' not in run("nft", "list", "set", "ip", net.names.host_table, "internet").stdout
+    assert old.slot.veth_host in links_without_alias(net)
+
+    # the next sandbox takes it (last in, first out) and works in it
+    new, _ = await spare_kit.start()
+    assert new.slot.index == old.slot.index and new.slot.host_ip == old.slot.host_ip
+    assert http_get(new.slot.host_ip, "/whoami")
+    assert old.slot.host_ip in run("ip", "netns", "exec", new.slot.netns, "nft", "list", "ruleset").stdout
+    assert f'"{new.slot.veth_host}"' not in run("nft", "list", "set", "ip", net.names.host_table, "internet").stdout
+
+    # a release without `reuse` (the runtime may not have stopped it) removes the slot
+    await spare_kit.destroy(new)
+    assert not os.path.exists(f"/run/netns/{reused}") and not os.path.exists(new.slot.netns_path)
+    net.spares.up("held")
