@@ -37,7 +37,7 @@ from agentenv.models import SandboxRecord
 from agentenv.network.policy import EgressPolicy, parse_policy
 from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
-from agentenv.orchestrator.trace import span
+from agentenv.orchestrator.trace import span, timed
 from agentenv.runtimes import select as runtime_select
 from agentenv.runtimes.base import Runtime, SandboxSpec
 from agentenv.storage.artifacts import ArtifactCache
@@ -236,30 +236,18 @@ class SandboxHost:
         """The sandbox's layers present, its rootfs mounted and a network slot (in parallel; `slot`:
         keep that one, a capture's source restored in place). Under a runtime that is not a VM the
         slot's egress rules are installed by `launch`, alongside the start or restore (`_rules`)."""
-        with span("host.settled", rec.sandbox_id):
-            await self.settled(rec.sandbox_id)  # a pause's stand-down still in flight
-        with span("host.layers", rec.sandbox_id):
-            for digest in rec.layers:
-                await self.artifacts.ensure_layer(digest)
-
-        async def mount() -> Path:
-            with span("rootfs.mount", rec.sandbox_id):
-                return await self.rootfs.prepare(rec.sandbox_id, self.lowers(rec), disk_mb=rec.disk_mb)
-
+        sid = rec.sandbox_id
+        await timed("host.settled", sid, self.settled(sid))  # a pause's stand-down still in flight
+        await timed("host.layers", sid, asyncio.gather(*(self.artifacts.ensure_layer(d) for d in rec.layers)))
+        policy, later = policy_of(rec), not self.runtime_named(rec.runtime).traits.vm
+        mount = timed("rootfs.mount", sid, self.rootfs.prepare(sid, self.lowers(rec), disk_mb=rec.disk_mb))
         if slot is None:
-            policy = policy_of(rec)
-            later = not self.runtime_named(rec.runtime).traits.vm
-
-            async def allocate() -> NetSlot:
-                with span("network.slot", rec.sandbox_id):
-                    return await self.network.allocate(rec.sandbox_id, allow_internet=policy.may_egress,
-                                                       policy=policy, rules=not later)
-
-            rootfs, slot = await asyncio.gather(mount(), allocate())
+            rootfs, slot = await asyncio.gather(mount, timed("network.slot", sid, self.network.allocate(
+                sid, allow_internet=policy.may_egress, policy=policy, rules=not later)))
             if later:
-                self._rules[rec.sandbox_id] = policy
+                self._rules[sid] = policy
         else:
-            rootfs = await mount()
+            rootfs = await mount
         self.slots[rec.sandbox_id] = slot
         return rootfs, slot
 

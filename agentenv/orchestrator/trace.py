@@ -14,10 +14,12 @@ import contextvars
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 log = logging.getLogger("agentenv.trace")
+T = TypeVar("T")
 
 _CURRENT: contextvars.ContextVar["Trace | None"] = contextvars.ContextVar("agentenv_trace", default=None)
 _RECENT: deque["Trace"] = deque(maxlen=200)
@@ -62,6 +64,12 @@ def span(name: str, sandbox_id: str | None = None) -> Iterator[None]:
         if tr is not None:
             tr.spans.append(Span(name, sandbox_id, t0 - tr.started, took))
         log.debug("span %s %s %.1fms", name, sandbox_id or "-", took * 1e3)
+
+
+async def timed(name: str, sandbox_id: str | None, aw: Awaitable[T]) -> T:
+    """`await aw` inside `span(name, sandbox_id)`."""
+    with span(name, sandbox_id):
+        return await aw
 
 
 @contextlib.contextmanager
