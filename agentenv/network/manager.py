@@ -197,13 +197,15 @@ _NETNS_SYSCTLS = {
 
 
 @contextlib.asynccontextmanager
-async def _netlink(netns: str | None = None, create: bool = False) -> AsyncIterator[AsyncIPRoute]:
+async def _netlink(netns: str | None = None, create: bool = False,
+                   exclusive: bool = False) -> AsyncIterator[AsyncIPRoute]:
     """An rtnetlink socket (optionally inside a named netns) with a deadline on everything done with it:
     netlink calls have no timeout of their own and a lost reply would hang the caller forever."""
     try:
         async with asyncio.timeout(NETLINK_TIMEOUT):
             # In a netns: a socket made there by a thread of ours (`nsock`), not by pyroute2's fork.
-            kw = {} if netns is None else {"fileno": await netlink_fd(f"{NETNS_RUN_DIR}/{netns}", create=create)}
+            kw = {} if netns is None else {
+                "fileno": await netlink_fd(f"{NETNS_RUN_DIR}/{netns}", create=create, exclusive=exclusive)}
             async with AsyncIPRoute(**kw) as ipr:
                 yield ipr
     except TimeoutError:
@@ -237,7 +239,7 @@ class NetworkManager:
         self.egress = EgressProxy()
         self._policies: dict[str, EgressPolicy] = {}  # sandbox_id -> policy in force
         self.spares = SpareSlots(spare_slots, self._new_spare, self._drop_spare)
-        self._unaliased: set[int] = set()  # this process's links without an alias yet: spares, slots being built
+        self._owner = os.getpid()  # spares of this process (`SlotNames.spare_netns_name`)
 
     # ---------------------------------------------------------------- host setup
 
@@ -285,8 +287,8 @@ class NetworkManager:
                 continue
             self._used.add(index)
             sandbox_id = link.get_attr("IFLA_IFALIAS")
-            if not sandbox_id:
-                continue
+            if not sandbox_id or self.names.alias_owner(sandbox_id) is not None:
+                continue  # being made, or a spare
             peer_ip, host_ip = slot_addresses(self.subnet, index)
             name = self.names.netns_name(sandbox_id)
             found[sandbox_id] = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}",
@@ -376,15 +378,12 @@ class NetworkManager:
             slot = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=host_ip,
                            veth_host=self.names.host_link_name(index), sandbox_id=sandbox_id, peer_ip=peer_ip,
                            allow_internet=allow_internet)
-            self._unaliased.add(index)
             try:
                 await self._create(slot)
-                self._unaliased.discard(index)
                 if rules:
                     await self.install_rules(slot, policy)
                 break
             except _LinkTaken:
-                self._unaliased.discard(index)
                 # aeh<index> belongs to another manager on this host (other server or test run):
                 # keep the index marked used and try the next one.
                 _remove_netns(slot.netns)
@@ -393,7 +392,6 @@ class NetworkManager:
                 await asyncio.shield(self._teardown(slot))
                 async with self._lock:
                     self._used.discard(index)
-                    self._unaliased.discard(index)
                 raise
         else:
             raise Unavailable("could not find a free network slot index (link names taken)")
@@ -403,23 +401,26 @@ class NetworkManager:
 
     # ---------------------------------------------------------------- spare slots (network/spares.py)
 
+    def _spare(self, index: int) -> NetSlot:
+        peer_ip, host_ip = slot_addresses(self.subnet, index)
+        name = self.names.spare_netns_name(self._owner, index)
+        return NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=host_ip,
+                       veth_host=self.names.host_link_name(index), peer_ip=peer_ip)
+
     async def _new_spare(self) -> NetSlot:
-        """A slot with no sandbox yet: named `spare_netns_name`, its root-ns link without an alias."""
+        """A slot with no sandbox yet, named for this process (`SlotNames.spare_netns_name`)."""
         for _attempt in range(8):
             async with self._lock:
                 index = self._pick_index()
                 self._used.add(index)
-                self._unaliased.add(index)
-            peer_ip, host_ip = slot_addresses(self.subnet, index)
-            name = self.names.spare_netns_name(index)
-            slot = NetSlot(index=index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=host_ip,
-                           veth_host=self.names.host_link_name(index), peer_ip=peer_ip)
+            slot = self._spare(index)
             try:
-                await self._create(slot)
+                await self._create(slot, exclusive=True)
                 return slot
-            except _LinkTaken:
+            except FileExistsError:  # another manager's spare (same process): keep the index marked used
+                continue
+            except _LinkTaken:  # aeh<index> is another manager's: the netns made here goes
                 _remove_netns(slot.netns)
-                self._unaliased.discard(index)
                 continue
             except BaseException:
                 await asyncio.shield(self._drop_spare(slot))
@@ -431,7 +432,6 @@ class NetworkManager:
         _remove_netns(slot.netns)
         async with self._lock:
             self._used.discard(slot.index)
-            self._unaliased.discard(slot.index)
 
     async def _adopt(self, spare: NetSlot, sandbox_id: str, allow_internet: bool) -> NetSlot | None:
         """The spare renamed for `sandbox_id` (its netns and its link's alias), or None (then dropped)."""
@@ -445,13 +445,10 @@ class NetworkManager:
             await asyncio.shield(self._drop_spare(spare))
             return None
         try:
-            async with _netlink() as root:
-                (idx,) = await root.link_lookup(ifname=slot.veth_host)
-                await root.link("set", index=idx, ifalias=sandbox_id)
+            await _set_alias(slot.veth_host, sandbox_id)
         except BaseException:
             await asyncio.shield(self._drop_spare(slot))
             raise
-        self._unaliased.discard(slot.index)
         return slot
 
     async def _recycle(self, slot: NetSlot) -> bool:
@@ -467,52 +464,45 @@ class NetworkManager:
             # The old rules stay until the next sandbox's replace them (one transaction, before its
             # `activate`): flushing them would cost a kernel commit (~10-20 ms) for nothing.
             await asyncio.gather(self._forget_internet(slot.veth_host), inside())
+            await _set_alias(slot.veth_host, self.names.spare_alias(self._owner))
         except Exception as e:  # noqa: BLE001
             log.warning("could not reset the slot of %s for reuse, removing it: %s", slot.sandbox_id, e)
             return False
-        name = self.names.spare_netns_name(slot.index)
-        spare = NetSlot(index=slot.index, netns=name, netns_path=f"{NETNS_RUN_DIR}/{name}", host_ip=slot.host_ip,
-                        veth_host=slot.veth_host, peer_ip=slot.peer_ip)
+        spare = self._spare(slot.index)
         async with self._lock:
             if self._slots.get(slot.sandbox_id, slot).index == slot.index:
                 self._slots.pop(slot.sandbox_id, None)
-            self._unaliased.add(slot.index)
         try:
             rebind(slot.netns_path, spare.netns_path)
         except OSError as e:
             log.warning("could not rename the slot of %s for reuse, removing it: %s", slot.sandbox_id, e)
-            self._unaliased.discard(slot.index)
             await self._teardown(slot)
             async with self._lock:
                 self._used.discard(slot.index)
-            return True
-        try:
-            async with _netlink() as root:
-                (idx,) = await root.link_lookup(ifname=slot.veth_host)
-                await root.link("set", index=idx, ifalias="")
-        except Exception as e:  # noqa: BLE001
-            log.warning("could not reset the slot of %s for reuse, removing it: %s", slot.sandbox_id, e)
-            await self._drop_spare(spare)
             return True
         self.spares.put(spare)
         return True
 
     async def drop_stale_spares(self) -> list[str]:
-        """Remove the spares a server of this instance left behind (killed before `close`): root-ns
-        links without an alias and netns named `spare_netns_name`, not built by this process."""
+        """Remove the spares of servers of this instance that are gone (killed before `close`): root-ns
+        links whose alias names a dead process, netns `spare_netns_name` of one. Another live
+        server's spares (tests run several on one host) and this process's stay."""
         removed: list[str] = []
         async with _netlink() as ipr:
             links = [x async for x in await ipr.link("dump")]
         for link in links:
-            index = self.names.parse_host_link(link.get_attr("IFLA_IFNAME") or "")
-            if index is not None and index not in self._unaliased and not link.get_attr("IFLA_IFALIAS"):
-                await _delete_link(self.names.host_link_name(index))
+            ifname = link.get_attr("IFLA_IFNAME") or ""
+            index = self.names.parse_host_link(ifname)
+            owner = self.names.alias_owner(link.get_attr("IFLA_IFALIAS"))
+            if index is not None and owner is not None and not _alive(owner):
+                await _delete_link(ifname)
                 async with self._lock:
                     self._used.discard(index)
-                removed.append(self.names.host_link_name(index))
+                removed.append(ifname)
         if os.path.isdir(NETNS_RUN_DIR):
             for name in os.listdir(NETNS_RUN_DIR):
-                if self.names.is_spare_netns(name) and int(name.rsplit("_", 1)[1]) not in self._unaliased:
+                owner = self.names.spare_owner(name)
+                if owner is not None and not _alive(owner):
                     _remove_netns(name)
                     removed.append(name)
         return removed
@@ -525,9 +515,9 @@ class NetworkManager:
                 return cand
         raise Unavailable(f"no free network slot in {self.subnet}")
 
-    async def _create(self, slot: NetSlot) -> None:
-        # create=True: pyroute2 creates the namespace and opens a socket inside it.
-        async with _netlink(netns=slot.netns, create=True) as ns, _netlink() as root:
+    async def _create(self, slot: NetSlot, *, exclusive: bool = False) -> None:
+        # create=True: the namespace is made (`exclusive`: FileExistsError if it is there already).
+        async with _netlink(netns=slot.netns, create=True, exclusive=exclusive) as ns, _netlink() as root:
             await ns.link("add", ifname=GUEST_LINK, kind="veth", address=constants.GUEST_MAC,
                           peer={"ifname": GATEWAY_LINK, "address": constants.GUEST_GATEWAY_MAC})
             # The netns now exists: plug the host-facing veth into it.
@@ -539,8 +529,7 @@ class NetworkManager:
                     raise _LinkTaken(slot.veth_host) from e
                 raise
             (idx,) = await root.link_lookup(ifname=slot.veth_host)
-            if slot.sandbox_id:  # a spare gets its alias when a sandbox adopts it
-                await root.link("set", index=idx, ifalias=slot.sandbox_id)
+            await root.link("set", index=idx, ifalias=slot.sandbox_id or self.names.spare_alias(self._owner))
             _disable_ipv6(slot.veth_host)
             await root.addr("add", index=idx, address=slot.peer_ip, prefixlen=30)
             await root.link("set", index=idx, state="up")
@@ -679,12 +668,11 @@ class NetworkManager:
         removed: set[str] = set()
         async with _netlink() as ipr:
             links = [x async for x in await ipr.link("dump")]
-        spares = self._unaliased
         for link in links:
             ifname = link.get_attr("IFLA_IFNAME") or ""
             index = self.names.parse_host_link(ifname)
-            if index is None or index in spares:
-                continue
+            if index is None or self.names.alias_owner(link.get_attr("IFLA_IFALIAS")) is not None:
+                continue  # spares: `drop_stale_spares`
             sid = link.get_attr("IFLA_IFALIAS") or ""
             if sid in keep:
                 continue
@@ -759,6 +747,22 @@ async def _delete_link(ifname: str) -> None:
         except NetlinkError as e:
             if not _ignore(e, errno.ENODEV):
                 raise
+
+
+async def _set_alias(ifname: str, alias: str) -> None:
+    async with _netlink() as root:
+        (idx,) = await root.link_lookup(ifname=ifname)
+        await root.link("set", index=idx, ifalias=alias)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove_netns(name: str) -> None:

@@ -77,25 +77,30 @@ def _enter_here(path: str) -> None:
         os.close(fd)
 
 
-def _socket_in(path: str, create: bool, family: int, type_: int, proto: int) -> socket.socket:
+def _socket_in(path: str, create: bool, family: int, type_: int, proto: int,
+               exclusive: bool = False) -> socket.socket:
     if create:
         try:
             _create_here(path)
         except FileExistsError:
+            if exclusive:
+                raise
             _enter_here(path)
     else:
         _enter_here(path)
     return socket.socket(family, type_, proto)
 
 
-async def socket_in(path: str, family: int, type_: int, proto: int = 0, *, create: bool = False) -> socket.socket:
-    """A new socket living in the netns bound at `path` (`create`: make the netns if missing)."""
+async def socket_in(path: str, family: int, type_: int, proto: int = 0, *, create: bool = False,
+                    exclusive: bool = False) -> socket.socket:
+    """A new socket living in the netns bound at `path` (`create`: make the netns if missing;
+    `exclusive`: FileExistsError if it is not)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[socket.socket] = loop.create_future()
 
     def run() -> None:
         try:
-            sock = _socket_in(path, create, family, type_, proto)
+            sock = _socket_in(path, create, family, type_, proto, exclusive)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
             err = e  # `e` is unbound after the except block, the callback runs later
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
@@ -113,9 +118,12 @@ async def socket_in(path: str, family: int, type_: int, proto: int = 0, *, creat
     return await fut
 
 
-async def netlink_fd(path: str, *, create: bool = False, proto: int = socket.NETLINK_ROUTE) -> int:
-    """A netlink socket's fd inside the netns bound at `path` (`create`: make the netns if missing)."""
-    return (await socket_in(path, socket.AF_NETLINK, socket.SOCK_DGRAM, proto, create=create)).detach()
+async def netlink_fd(path: str, *, create: bool = False, exclusive: bool = False,
+                     proto: int = socket.NETLINK_ROUTE) -> int:
+    """A netlink socket's fd inside the netns bound at `path` (`create`: make the netns if missing;
+    `exclusive`: FileExistsError if it is not)."""
+    return (await socket_in(path, socket.AF_NETLINK, socket.SOCK_DGRAM, proto, create=create,
+                            exclusive=exclusive)).detach()
 
 
 NETLINK_NETFILTER = 12

@@ -6,7 +6,7 @@ That makes a checkpoint restorable into any fresh slot unchanged (fork children)
 
 Topology of slot <i> (addresses from settings.slot_subnet, one /30 per slot):
 
-    root netns                      netns agentenv-<sandbox_id> (agentenv-_<i> while spare)
+    root netns                      netns agentenv-<sandbox_id> (agentenv-_<pid>_<i> while spare)
     aeh<i>  (base+4i+1/30) <veth>   host0 (base+4i+2/30 = host_ip, DNAT -> GUEST_IP)
                                     gw0   (GUEST_GATEWAY_IP/30) <veth> eth0 (GUEST_IP/30, owned by gVisor)
 """
@@ -52,13 +52,27 @@ class SlotNames:
     def netns_name(self, sandbox_id: str) -> str:
         return f"{self.netns_prefix}{sandbox_id}"
 
-    def spare_netns_name(self, index: int) -> str:
-        """A slot built ahead of demand (`network/spares.py`): `_` is in no sandbox id."""
-        return f"{self.netns_prefix}_{index}"
+    # A slot built ahead of demand (`network/spares.py`) belongs to a server process, not a sandbox:
+    # its netns is `<prefix>_<pid>_<index>` and its root-ns link's alias `_<pid>` (`_` is in no
+    # sandbox id), so a server never takes another live server's spares for stale ones.
 
-    def is_spare_netns(self, name: str) -> bool:
-        rest = name[len(self.netns_prefix):] if name.startswith(self.netns_prefix) else ""
-        return rest.startswith("_") and rest[1:].isdigit()
+    def spare_netns_name(self, owner: int, index: int) -> str:
+        return f"{self.netns_prefix}_{owner}_{index}"
+
+    def spare_owner(self, netns_name: str) -> int | None:
+        """The server process a spare's netns name names, or None if it is no spare of ours."""
+        rest = netns_name[len(self.netns_prefix):] if netns_name.startswith(self.netns_prefix) else ""
+        owner, _, index = rest[1:].partition("_")
+        return int(owner) if rest.startswith("_") and owner.isdigit() and index.isdigit() else None
+
+    @staticmethod
+    def spare_alias(owner: int) -> str:
+        return f"_{owner}"
+
+    @staticmethod
+    def alias_owner(alias: str | None) -> int | None:
+        """The server process a root-ns link's alias names as a spare's owner (None: a sandbox's)."""
+        return int(alias[1:]) if alias and alias.startswith("_") and alias[1:].isdigit() else None
 
     def sandbox_of_netns(self, name: str) -> str | None:
         """The sandbox id a netns name of this instance encodes, or None if it is not ours."""
