@@ -51,9 +51,25 @@ def runsc_containers(data_dir: str | os.PathLike[str]) -> list[str]:
                      if p.stem not in listed]
 
 
+def live_spare(name: str, prefix: str = NETNS_PREFIX) -> bool:
+    """A ready network slot of a running server (``<prefix>_<server pid>_<index>``,
+    agentenv/network/spares.py): its own, not a leftover. A dead server's are leftovers."""
+    owner, _, index = name[len(prefix):].lstrip("_").partition("_") if name.startswith(prefix + "_") else ("", "", "")
+    if not (owner.isdigit() and index.isdigit()):
+        return False
+    try:
+        os.kill(int(owner), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def _ours(name: str) -> bool:
-    """A netns of this instance: ``<prefix><sandbox id>`` (sandbox ids never contain ``-``)."""
-    return name.startswith(NETNS_PREFIX) and "-" not in name[len(NETNS_PREFIX):]
+    """A netns of this instance: ``<prefix><sandbox id>`` (sandbox ids never contain ``-``), or a
+    dead server's spare slot (``<prefix>_<pid>_<index>``)."""
+    return name.startswith(NETNS_PREFIX) and "-" not in name[len(NETNS_PREFIX):] and not live_spare(name)
 
 
 def agentenv_netns() -> list[str]:

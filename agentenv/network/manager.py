@@ -480,7 +480,8 @@ class NetworkManager:
             async with self._lock:
                 self._used.discard(slot.index)
             return True
-        self.spares.put(spare)
+        if not self.spares.put(spare):  # closed meanwhile (the server is stopping)
+            await self._drop_spare(spare)
         return True
 
     async def drop_stale_spares(self) -> list[str]:

@@ -75,9 +75,13 @@ class SpareSlots:
         """Whether a released slot, reset, would be kept (`put`) rather than removed."""
         return bool(self.target) and not self._closed and len(self._ready) < self.target
 
-    def put(self, slot: NetSlot) -> None:
-        """A released slot, reset for its next sandbox (`NetworkManager.release(reuse=True)`)."""
+    def put(self, slot: NetSlot) -> bool:
+        """Keep a released slot, reset for its next sandbox (`NetworkManager.release(reuse=True)`);
+        False once closed (the caller removes it)."""
+        if self._closed:
+            return False
         self._ready.append(slot)
+        return True
 
     def take(self) -> NetSlot | None:
         """A ready slot, or None; either way the filling is (re)armed."""

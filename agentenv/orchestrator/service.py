@@ -203,8 +203,8 @@ class Orchestrator:
             if kill_running:
                 ids = [r.sandbox_id for r in self.lifecycle.records() if r.state != SandboxState.PAUSED]
                 await asyncio.gather(*(self._kill_quietly(sid) for sid in ids))
-            await self.host.network.close()  # spare slots; running sandboxes keep theirs
-            await self.host.close()
+            await self.host.close()  # stand-downs and teardowns in flight end first: they may keep a slot
+            await self.host.network.close()  # the spare slots go; running sandboxes keep theirs
 
     async def _ensure_default_templates(self) -> None:
         if await self.store.get_template("base") is None:

@@ -33,7 +33,7 @@ import pytest
 import requests
 
 from agentenv.cluster import tls
-from leftovers import mounts_under, processes_mentioning, runsc_containers
+from leftovers import live_spare, mounts_under, processes_mentioning, runsc_containers
 from pgserver import pg_bindir, start_postgres
 from s3server import start_s3
 from serverproc import (agentenv_executable, free_port, log_tail, new_api_key, new_data_dir, remove_data_dir,
@@ -141,7 +141,8 @@ class Node:
         out = [f"container {c}" for c in runsc_containers(self.data_dir)]
         out += [f"mount {m}" for m in mounts_under(self.data_dir)]
         ns = sh("ip", "netns", "list").stdout.split()
-        out += [f"netns {n}" for n in ns if n.startswith(f"agentenv-{self.instance}-")]
+        out += [f"netns {n}" for n in ns if n.startswith(f"agentenv-{self.instance}-")
+                and not live_spare(n, f"agentenv-{self.instance}-")]  # a running node's ready slots
         out += [f"process {p}" for p in processes_mentioning(str(self.data_dir.resolve()))]
         return out
 
