@@ -3,12 +3,14 @@
 Building a slot (a netns, two veth pairs, their addresses, routes and neighbours: ~25 netlink calls)
 takes ~14 ms on the path of every sandbox that comes up, before its runtime can start in it. A spare
 is a slot built while the node is quiet, under a name of its own; `NetworkManager.allocate` renames
-it to the sandbox's (one bind mount and one netlink call, ~1 ms) and installs its rules as usual.
+it to the sandbox's (one bind mount and one netlink call, 2–5 ms) and installs its rules as usual.
 A released slot whose sandbox is gone for sure (its runtime stopped it) becomes a spare again
-while there are fewer than `target`: its rules, connection tracking and internet switch are reset
-and its links put back as before a start (`NetworkManager.release(reuse=True)`), which spares the
-kernel deleting a netns and two veth pairs and building them anew. e2b-dev/infra's orchestrator keeps
-such pools of new and of reused slots too.
+while there are fewer than `target`: its connection tracking is flushed, its internet switch turned
+off and its links put back as before a start (`NetworkManager.release(reuse=True)`; its old rules
+stay until the next sandbox's replace them before its `activate`). That spares the kernel deleting
+a netns and two veth pairs and building them anew. e2b-dev/infra's orchestrator keeps such pools of
+new and of reused slots too. Spares belong to a server process (`SlotNames.spare_netns_name`): a
+start or `agentenv gc` removes a dead server's (`NetworkManager.drop_stale_spares`).
 
 Spares are filled only while no sandbox is coming up (a slot handed out and not yet activated or
 released) and none was for `QUIET_S`: bringing sandboxes up is what the node's CPU is for, and a
