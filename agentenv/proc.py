@@ -34,6 +34,21 @@ class CmdResult:
     duration: float
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 async def run_cmd(
     argv: Sequence[str],
     *,

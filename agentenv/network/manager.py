@@ -59,6 +59,7 @@ from agentenv.network.slots import (
 )
 from agentenv.network.shaping import cap_bandwidth
 from agentenv.network.spares import SpareSlots
+from agentenv.proc import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +496,7 @@ class NetworkManager:
             ifname = link.get_attr("IFLA_IFNAME") or ""
             index = self.names.parse_host_link(ifname)
             owner = self.names.alias_owner(link.get_attr("IFLA_IFALIAS"))
-            if index is not None and owner is not None and not _alive(owner):
+            if index is not None and owner is not None and not pid_alive(owner):
                 await _delete_link(ifname)
                 async with self._lock:
                     self._used.discard(index)
@@ -503,7 +504,7 @@ class NetworkManager:
         if os.path.isdir(NETNS_RUN_DIR):
             for name in os.listdir(NETNS_RUN_DIR):
                 owner = self.names.spare_owner(name)
-                if owner is not None and not _alive(owner):
+                if owner is not None and not pid_alive(owner):
                     _remove_netns(name)
                     removed.append(name)
         return removed
@@ -754,16 +755,6 @@ async def _set_alias(ifname: str, alias: str) -> None:
     async with _netlink() as root:
         (idx,) = await root.link_lookup(ifname=ifname)
         await root.link("set", index=idx, ifalias=alias)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove_netns(name: str) -> None:

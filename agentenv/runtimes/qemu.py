@@ -38,7 +38,7 @@ from typing import Any
 
 from agentenv.config import Settings
 from agentenv.errors import RuntimeFailure
-from agentenv.proc import run_cmd
+from agentenv.proc import pid_alive, run_cmd
 from agentenv.runtimes import cgroups
 from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
 from agentenv.storage import guest
@@ -95,20 +95,6 @@ def kvm_usable() -> tuple[bool, str]:
     return True, "hardware virtualization"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _fully_exited(pid: int) -> bool:
     """Gone, or a zombie whose every thread has exited and released its files (tap, locks).
 
@@ -116,7 +102,7 @@ def _fully_exited(pid: int) -> bool:
     hold the fd table: the tap is not free yet then.
     """
     try:
-        if _pid_alive(pid):
+        if pid_alive(pid):
             return False
         return not os.listdir(f"/proc/{pid}/fd") and len(os.listdir(f"/proc/{pid}/task")) <= 1
     except FileNotFoundError:
@@ -167,7 +153,7 @@ class QemuRuntime:
             return None
         if b"qemu-system" not in cmdline or str(bundle).encode() not in cmdline:
             return None  # pid reused by something else
-        return pid if _pid_alive(pid) else None
+        return pid if pid_alive(pid) else None
 
     async def _client(self, sandbox_id: str):
         c = self._qmp.get(sandbox_id)
