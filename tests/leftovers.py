@@ -14,6 +14,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentenv.network.slots import SlotNames
+from agentenv.proc import pid_alive
 from agentenv.runtimes.gvisor_state import EXPECTED_DIR
 
 # Servers started by the tests inherit AGENTENV_INSTANCE (and need their own AGENTENV_SLOT_SUBNET);
@@ -51,19 +53,11 @@ def runsc_containers(data_dir: str | os.PathLike[str]) -> list[str]:
                      if p.stem not in listed]
 
 
-def live_spare(name: str, prefix: str = NETNS_PREFIX) -> bool:
-    """A ready network slot of a running server (``<prefix>_<server pid>_<index>``,
-    agentenv/network/spares.py): its own, not a leftover. A dead server's are leftovers."""
-    owner, _, index = name[len(prefix):].lstrip("_").partition("_") if name.startswith(prefix + "_") else ("", "", "")
-    if not (owner.isdigit() and index.isdigit()):
-        return False
-    try:
-        os.kill(int(owner), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
+def live_spare(name: str, instance: str = INSTANCE) -> bool:
+    """A ready network slot of a running server (agentenv/network/spares.py): its own, not a
+    leftover. A dead server's are leftovers."""
+    owner = SlotNames(instance).spare_owner(name)
+    return owner is not None and pid_alive(owner)
 
 
 def _ours(name: str) -> bool:

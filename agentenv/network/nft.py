@@ -7,8 +7,8 @@ rules through `nsenter` + `sh`, the root table's `internet` element added, then 
 library's C API is small and stable (`nft_ctx_new`, `nft_run_cmd_from_buffer`, its output and error
 buffers: what the python3-nftables binding wraps); it is called here through ctypes.
 
-Commands inside a slot run in a short-lived thread of ours that entered the slot's netns (as
-`nsock` does): libnftables' netlink socket, made in that thread, lives there. The netns' sysctls are
+Commands inside a slot run in a short-lived thread of ours that entered the slot's netns
+(`nsock.in_own_thread`): libnftables' netlink socket, made in that thread, lives there. The netns' sysctls are
 written by that thread too (/proc/sys/net is the calling thread's namespace). One lock serialises
 every call: libnftables keeps some global state, and each call takes ~1 ms.
 """
@@ -18,16 +18,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-import os
 import threading
 
 from agentenv.errors import RuntimeFailure
+from agentenv.network.nsock import enter_netns, in_own_thread
 
-CLONE_NEWNET = 0x40000000
 TIMEOUT_S = 10.0   # netlink has no deadline of its own: a lost answer must not hang the caller
 _LOCK = threading.Lock()
 _lib: ctypes.CDLL | None = None
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _library() -> ctypes.CDLL:
@@ -73,46 +71,24 @@ def run_here(script: str) -> str:
     return out
 
 
-def _enter(netns_path: str) -> None:
-    fd = os.open(netns_path, os.O_RDONLY)
-    try:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
-            e = ctypes.get_errno()
-            raise OSError(e, f"setns: {os.strerror(e)}", netns_path)
-    finally:
-        os.close(fd)
-
-
 async def run(script: str, *, netns_path: str | None = None, sysctls: dict[str, str] | None = None) -> str:
     """Run an nft script (what `nft -f -` reads) in the root netns or in `netns_path`, after writing
     `sysctls` (/proc/sys/... path → value) there; its output (`list` commands). Raises NftError."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[str] = loop.create_future()
-
-    def work() -> None:
+    def work() -> str:
         try:
             if netns_path is not None:
-                _enter(netns_path)  # this thread only; it ends below and is never reused
+                enter_netns(netns_path)
             for path, value in (sysctls or {}).items():
                 with open(path, "w") as f:
                     f.write(value)
-            res: str | BaseException = run_here(script)
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            res = e if isinstance(e, RuntimeFailure) else RuntimeFailure(f"nft: {e}")
+            return run_here(script)
+        except RuntimeFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. the netns is gone
+            raise RuntimeFailure(f"nft: {e}") from e
 
-        def deliver() -> None:
-            if fut.done():
-                return
-            if isinstance(res, BaseException):
-                fut.set_exception(res)
-            else:
-                fut.set_result(res)
-
-        loop.call_soon_threadsafe(deliver)
-
-    threading.Thread(target=work, name="nft", daemon=True).start()
     try:
         async with asyncio.timeout(TIMEOUT_S):
-            return await fut
+            return await in_own_thread(work, name="nft")
     except TimeoutError:
         raise RuntimeFailure(f"nft: no answer from the kernel after {TIMEOUT_S:.0f} s") from None

@@ -17,6 +17,8 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 CLONE_NEWNET = 0x40000000
 MS_BIND = 4096
@@ -25,6 +27,7 @@ MS_SHARED = 1 << 20
 MNT_DETACH = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
 
 
 def _check(rc: int, what: str, path: str) -> None:
@@ -69,7 +72,8 @@ def rebind(old: str, new: str) -> None:
     os.unlink(old)
 
 
-def _enter_here(path: str) -> None:
+def enter_netns(path: str) -> None:
+    """The calling thread enters the netns bound at `path` (only a thread of `in_own_thread`)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         _check(_libc.setns(fd, CLONE_NEWNET), "setns", path)
@@ -85,37 +89,44 @@ def _socket_in(path: str, create: bool, family: int, type_: int, proto: int,
         except FileExistsError:
             if exclusive:
                 raise
-            _enter_here(path)
+            enter_netns(path)
     else:
-        _enter_here(path)
+        enter_netns(path)
     return socket.socket(family, type_, proto)
 
 
-async def socket_in(path: str, family: int, type_: int, proto: int = 0, *, create: bool = False,
-                    exclusive: bool = False) -> socket.socket:
-    """A new socket living in the netns bound at `path` (`create`: make the netns if missing;
-    `exclusive`: FileExistsError if it is not)."""
+async def in_own_thread(work: Callable[[], T], *, name: str, discard: Callable[[T], None] | None = None) -> T:
+    """`work()` in a new thread that ends with it and is never reused, so a namespace it entered
+    (`enter_netns`) goes with it. `discard`: what to do with a result its caller no longer awaits."""
     loop = asyncio.get_running_loop()
-    fut: asyncio.Future[socket.socket] = loop.create_future()
+    fut: asyncio.Future[T] = loop.create_future()
 
     def run() -> None:
         try:
-            sock = _socket_in(path, create, family, type_, proto, exclusive)
+            res = work()
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
             err = e  # `e` is unbound after the except block, the callback runs later
             loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(err))
             return
 
         def deliver() -> None:
-            if fut.done():  # the caller gave up (cancelled): do not leak the socket
-                sock.close()
-            else:
-                fut.set_result(sock)
+            if not fut.done():
+                fut.set_result(res)
+            elif discard is not None:  # the caller gave up (cancelled): do not leak what it made
+                discard(res)
 
         loop.call_soon_threadsafe(deliver)
 
-    threading.Thread(target=run, name="netns-socket", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return await fut
+
+
+async def socket_in(path: str, family: int, type_: int, proto: int = 0, *, create: bool = False,
+                    exclusive: bool = False) -> socket.socket:
+    """A new socket living in the netns bound at `path` (`create`: make the netns if missing;
+    `exclusive`: FileExistsError if it is not)."""
+    return await in_own_thread(lambda: _socket_in(path, create, family, type_, proto, exclusive),
+                               name="netns-socket", discard=lambda sock: sock.close())
 
 
 async def netlink_fd(path: str, *, create: bool = False, exclusive: bool = False,

@@ -52,11 +52,6 @@ class Captured:
         assert self.sealed.memory is not None
         return self.sealed.memory
 
-    @property
-    def restore_from(self) -> Path | None:
-        """The memory image's directory, if the capture has its own (`image`); else see `memory`."""
-        return self.image
-
 
 FORK_IMAGE_PREFIX = "fork-image-"  # in the source's dir: an image its fork's children restore from
 

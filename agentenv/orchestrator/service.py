@@ -487,7 +487,7 @@ class Orchestrator:
         source_back = time.monotonic() - t0
         try:
             children = [self.starts.child_of(got.view, req.timeout) for _ in range(req.count)]
-            mem_dir = got.restore_from or self.host.artifacts.memory_dir(got.memory)
+            mem_dir = got.image or self.host.artifacts.memory_dir(got.memory)
 
             async def one(child: SandboxRecord) -> SandboxRecord | AgentEnvError:
                 try:

@@ -142,7 +142,7 @@ class Node:
         out += [f"mount {m}" for m in mounts_under(self.data_dir)]
         ns = sh("ip", "netns", "list").stdout.split()
         out += [f"netns {n}" for n in ns if n.startswith(f"agentenv-{self.instance}-")
-                and not live_spare(n, f"agentenv-{self.instance}-")]  # a running node's ready slots
+                and not live_spare(n, self.instance)]  # a running node's ready slots
         out += [f"process {p}" for p in processes_mentioning(str(self.data_dir.resolve()))]
         return out
 
