@@ -326,6 +326,13 @@ class Paths:
     def sandbox_dir(self, sandbox_id: str) -> Path:
         return self.sandboxes / sandbox_id
 
+    @property
+    def fork_images(self) -> Path:
+        """Memory images forks in flight restore their children from (`<source id>-<hex>`), outside
+        the sources' dirs: a source killed or paused while its children restore does not touch them.
+        Nothing here outlives the server process that made it."""
+        return self.root / "fork-images"
+
 
 def load_settings(**overrides: Any) -> Settings:
     return Settings(**overrides)

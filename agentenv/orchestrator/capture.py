@@ -53,7 +53,6 @@ class Captured:
         return self.sealed.memory
 
 
-FORK_IMAGE_PREFIX = "fork-image-"  # in the source's dir: an image its fork's children restore from
 
 
 class Capture:
@@ -81,10 +80,10 @@ class Capture:
         tmp.write_text(json.dumps({"layers": rec.layers, **state}))
         os.replace(tmp, path)
 
-    def drop_kept_images(self, sandbox_id: str) -> None:
-        """Images a fork kept for its children (`Captured.image`) that a killed server left behind."""
-        for d in self.host.sandbox_dir(sandbox_id).glob(f"{FORK_IMAGE_PREFIX}*"):
-            shutil.rmtree(d, ignore_errors=True)
+    def drop_kept_images(self) -> None:
+        """Images forks kept for their children (`Captured.image`) that a killed server left behind:
+        at a start no fork is in flight."""
+        shutil.rmtree(self.host.paths.fork_images, ignore_errors=True)
 
     def busy(self, sandbox_id: str) -> bool:
         """A capture of the sandbox is under way (from its checkpoint until its image is sealed)."""
@@ -160,7 +159,9 @@ class Capture:
         await self.lifecycle.settle(rec, final)  # usable again: traffic no longer waits
         kept: Path | None = None
         if not seal_memory and not (image / REQUIRES_FILE).exists():  # a VM's image names its drives: sealed
-            kept = host.sandbox_dir(sid) / f"{FORK_IMAGE_PREFIX}{secrets.token_hex(6)}"  # the next capture reuses `image`
+            # out of the source's dir: its next capture reuses `image`, a kill removes the dir
+            kept = host.paths.fork_images / f"{sid}-{secrets.token_hex(6)}"
+            kept.parent.mkdir(parents=True, exist_ok=True)
             os.replace(image, kept)
         try:
             sealed = await self.live.seal_copy(sid, image if kept is None else None, upper_copy)

@@ -28,6 +28,7 @@ async def reconcile(orch: "Orchestrator") -> None:
     except Exception as e:  # noqa: BLE001 - they stop counting when this node is declared dead, or expire
         log.warning("could not clear this node's old team reservations: %s", e)
     await host.network.discover()
+    orch.captures.drop_kept_images()  # the forks that made them ended with the old process
     listed: set[str] | None = None
 
     async def running_ids() -> set[str]:
@@ -78,7 +79,6 @@ async def reconcile(orch: "Orchestrator") -> None:
             await rt.resume(rec.sandbox_id)
         if alive:
             lifecycle.adopt(rec)
-            orch.captures.drop_kept_images(rec.sandbox_id)
             host.runtime_of[rec.sandbox_id] = rec.runtime
             try:
                 # the egress proxy's listener died with the old process; the nft rules did not

@@ -36,7 +36,6 @@ from pathlib import Path
 
 import pytest
 import requests
-from agentenv.orchestrator.capture import FORK_IMAGE_PREFIX
 from agentenv.orchestrator.livecapture import CAPTURE_BASE
 from e2b import Sandbox, SandboxState
 
@@ -461,6 +460,10 @@ def test_server_killed_mid_fork_keeps_source(server, when):
         sbx, before = _prepare(first, mib=200)
         sid = sbx.sandbox_id
         sdir = d / "sandboxes" / sid
+
+        def kept_images() -> list[Path]:  # a fork's image for its children, outside the source's dir
+            return list((d / "fork-images").glob(f"{sid}-*"))
+
         result: dict[str, object] = {}
 
         def fork() -> None:
@@ -485,7 +488,7 @@ def test_server_killed_mid_fork_keeps_source(server, when):
             elif when == "checkpointing-running" and _runsc_running(sid, "checkpoint"):
                 landed = "`runsc checkpoint --leave-running` of the source under way"
             elif when == "sealing-running" \
-                    and any(_image_written(p) for p in [sdir / "capture", *sdir.glob(f"{FORK_IMAGE_PREFIX}*")]) \
+                    and any(_image_written(p) for p in [sdir / "capture", *kept_images()]) \
                     and not (sdir / "capture-upper").exists() and not _runsc_running(sid, "checkpoint") \
                     and _runsc_status(d, sid) == "running":
                 landed = "source thawed, its capture being sealed or its children restored from its image"
@@ -516,7 +519,7 @@ def test_server_killed_mid_fork_keeps_source(server, when):
             assert info.state == SandboxState.PAUSED, "a source stopped after its checkpoint must come back paused"
         if when.endswith("-running"):
             assert info.state == SandboxState.RUNNING, "a source left running by its capture must run on"
-            scratch = [p.name for p in [*sdir.glob("capture*"), *sdir.glob(f"{FORK_IMAGE_PREFIX}*")]
+            scratch = [p.name for p in [*sdir.glob("capture*"), *kept_images()]
                        if p.name != CAPTURE_BASE]  # the base of its next capture's delta stays
             assert not scratch, "a capture's scratch copy outlived the restart"
         assert not (sdir / "capture.json").exists(), "the capture journal outlived the recovery"

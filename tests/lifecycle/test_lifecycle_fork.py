@@ -6,7 +6,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from agentenv.orchestrator.capture import FORK_IMAGE_PREFIX
 from e2b import Sandbox
 
 from lifecycle_util import WORK, ask_worker, assert_same_worker, kill_quietly, read_state, setup_worker
@@ -40,7 +39,7 @@ def test_fork_16_children_keep_process_memory_and_files(server, tracker):
 
         # The image the children restored from was not kept (nor sealed into the page store: a fork
         # keeps it only until its children are up)
-        assert not list((server.data_dir / "sandboxes" / src.sandbox_id).glob(f"{FORK_IMAGE_PREFIX}*"))
+        assert not list((server.data_dir / "fork-images").glob(f"{src.sandbox_id}-*"))
 
         # The source keeps running under the same id with the same process.
         src_after = ask_worker(src)
