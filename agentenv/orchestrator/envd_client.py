@@ -85,13 +85,41 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
 
 
 async def blocking_connections(host_ip: str, *, host_token: str, timeout: float = 5.0) -> list[dict]:
-    """TCP endpoints inside the sandbox that would make a gVisor checkpoint fail (see envd/netstat.py)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
-        async with http.get(f"http://{host_ip}:{ENVD_PORT}/agentenv/connections",
-                            headers={"X-Agentenv-Host-Token": host_token}) as resp:
-            if resp.status != 200:
-                raise RuntimeFailure(f"envd connection check failed: HTTP {resp.status}")
-            return list((await resp.json()).get("connections", []))
+    """TCP endpoints inside the sandbox that would make a gVisor checkpoint fail (see envd/netstat.py).
+
+    The capture follows at once, so this asking connection must be over inside the sandbox too:
+    envd leaves it out of its answer, and a checkpoint (`--net-disconnect-ok`) that finds it still
+    held resets it under envd, whose restored copies (fork children) then came back unable to answer
+    (seen once in ~80 forks under load: the check took 64 ms, envd had not closed it yet). So the
+    host half-closes after the answer and waits for envd's end of the close (EOF: envd has closed its
+    socket) before it returns."""
+    async def ask() -> list[dict]:
+        reader, writer = await asyncio.open_connection(host_ip, ENVD_PORT)
+        try:
+            writer.write(f"GET /agentenv/connections HTTP/1.1\r\nHost: {host_ip}:{ENVD_PORT}\r\n"
+                         f"X-Agentenv-Host-Token: {host_token}\r\n\r\n".encode())
+            status, headers = await _read_head(reader)
+            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            if status != 200:
+                raise RuntimeFailure(f"envd connection check failed: HTTP {status}")
+            writer.write_eof()  # the host closes first: no TIME_WAIT inside the sandbox
+            await reader.read()  # until envd's FIN: envd no longer holds the socket
+            return list(json.loads(body).get("connections", []))
+        finally:
+            writer.close()
+    return await asyncio.wait_for(ask(), timeout)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    """An HTTP/1.1 response's status code and headers (names lower-cased)."""
+    lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            headers[k.strip().lower()] = v.strip()
+    return status, headers
 
 
 def _envd_headers(access_token: str | None, user: str) -> dict[str, str]:
