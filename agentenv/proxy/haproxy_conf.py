@@ -183,9 +183,26 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
         f"    http-request set-header {SCHEME_HEADER} http if !{{ ssl_fc }}",
         *([f"    http-request set-header {PEER_HEADER} %[var(txn.peer)] if {{ var(txn.peer) -m found }}"]
           if cluster is not None else []),
+        # The server itself down (crashed, restarting: HAProxy keeps the sandboxes' traffic going
+        # meanwhile): the API's callers get JSON errors too, not HAProxy's HTML pages.
+        *_server_errors(),
         f"    server app unix@{layout.app_socket}",
         "",
     ])
+
+
+def _server_errors() -> list[str]:
+    """HAProxy's own errors for requests the Python server should have answered, as E2B's JSON."""
+    def body(status: int, message: str) -> str:
+        return _q('{"code":%d,"message":"%s"}' % (status, message))
+    return [
+        "    http-error status 503 content-type application/json hdr retry-after 2 lf-string "
+        + body(503, "The agentenv server is not answering (it may be restarting); retry shortly"),
+        "    http-error status 502 content-type application/json hdr retry-after 2 lf-string "
+        + body(502, "The agentenv server closed the connection before answering (it may have restarted); retry"),
+        "    http-error status 504 content-type application/json lf-string "
+        + body(504, "The agentenv server did not answer in time"),
+    ]
 
 
 def _into_sandbox(layout: HaproxyLayout, cluster: ClusterListener | None) -> list[str]:

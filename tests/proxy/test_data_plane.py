@@ -8,10 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+import requests
 from e2b import Sandbox
 
 from agentenv.proxy.haproxy import processes_running
-from serverproc import new_data_dir, remove_data_dir, start_extra_server
+from serverproc import new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,4 +61,29 @@ def test_without_haproxy_the_python_proxy_serves_traffic() -> None:
             sbx.kill()
     finally:
         srv.stop()
+        remove_data_dir(data_dir)
+
+
+def test_api_errors_stay_json_while_the_server_is_down() -> None:
+    """A crashed server's HAProxy keeps running (sandbox traffic goes on); the API's callers get E2B's
+    JSON error with a reason from it, not an HTML page, until the next start takes over."""
+    data_dir = new_data_dir("serverdown")
+    first = second = None
+    try:
+        first = start_extra_server(data_dir)
+        assert requests.get(f"{first.url}/sandboxes", headers=first.headers(), timeout=10).status_code == 200
+        first.kill9()
+        assert haproxy_pids(data_dir), "HAProxy went down with the server"
+        r = requests.get(f"{first.url}/sandboxes", headers=first.headers(), timeout=10)
+        assert r.status_code in (502, 503), (r.status_code, r.text)
+        assert r.headers["content-type"].startswith("application/json"), r.text
+        body = r.json()
+        assert body["code"] == r.status_code and "agentenv server" in body["message"], body
+        second = start_extra_server(data_dir, api_key=first.api_key)  # stops the old HAProxy, runs its own
+        assert requests.get(f"{second.url}/sandboxes", headers=second.headers(), timeout=10).status_code == 200
+        assert len(haproxy_pids(data_dir)) == 1
+        second.stop()
+        assert haproxy_pids(data_dir) == []
+    finally:
+        stop_unchecked(first, second)
         remove_data_dir(data_dir)
