@@ -16,8 +16,10 @@ snapshot store. A sandbox whose node died while it ran is reported as lost (410)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -39,6 +41,9 @@ LIST_TIMEOUT_S = 30.0
 RELEASE_TIMEOUT_S = 10.0
 # Node answers after which another node is tried for the same create.
 _RETRY_ELSEWHERE = {"capacity_exhausted", "node_unreachable", "node_fenced"}
+# A resume whose move lost the race for the sandbox (another caller moved or resumed it first)
+# looks again this many times.
+_MOVE_ATTEMPTS = 3
 
 
 @dataclass
@@ -68,6 +73,24 @@ class ClusterOrchestrator:
         self._running_at = 0.0
         self.on_moved: list = []  # awaited with a sandbox id whose traffic must reconnect (pause, kill, move)
         self.on_route: list = []  # called with (sandbox id, node id) of a running sandbox the hop resolved
+        self._moving: dict[str, tuple[asyncio.Lock, int]] = {}  # sandbox id -> (lock, holders + waiters)
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, sandbox_id: str) -> AsyncIterator[None]:
+        """One resume or move of a sandbox at a time through this gateway. The store says PAUSED
+        until the node that resumes it has finished: a second caller in between would have another
+        node adopt it too (two nodes running it, one deleting the pause image the other needs)."""
+        lock, n = self._moving.get(sandbox_id, (asyncio.Lock(), 0))
+        self._moving[sandbox_id] = (lock, n + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, n = self._moving[sandbox_id]
+            if n <= 1:
+                del self._moving[sandbox_id]
+            else:
+                self._moving[sandbox_id] = (lock, n - 1)
 
     # ------------------------------------------------------------------ nodes and bindings
 
@@ -199,8 +222,9 @@ class ClusterOrchestrator:
         if rec.state == SandboxState.LOST:
             await self.store.delete_sandbox(sandbox_id)  # nothing left to stop: its node is gone
         elif rec.state == SandboxState.PAUSED and await self._alive(rec.node_id) is None:
-            node = await self._move(rec)  # another node deletes its published state properly
-            await self.client.rpc(node["url"], "kill_sandbox", sandbox_id=sandbox_id, team_id=team_id)
+            async with self._one_at_a_time(sandbox_id):
+                node = await self._move(rec)  # another node deletes its published state properly
+                await self.client.rpc(node["url"], "kill_sandbox", sandbox_id=sandbox_id, team_id=team_id)
         else:
             await self._on_owner(sandbox_id, team_id, "kill_sandbox")
         await self._moved(sandbox_id)
@@ -240,15 +264,25 @@ class ClusterOrchestrator:
             self._release(placed["reservation"])
 
     async def connect_sandbox(self, sandbox_id: str, timeout: int, *, team_id: str) -> tuple[SandboxRecord, bool]:
-        rec = await self._record(sandbox_id, team_id)
-        if rec.state == SandboxState.PAUSED:
-            placed = await self._move(rec)
-            await self._moved(sandbox_id)
-            res = await self.client.rpc(placed["url"], "connect_sandbox", sandbox_id=sandbox_id, timeout=timeout,
-                                        team_id=team_id)
-        else:
-            res = await self._on_owner(sandbox_id, team_id, "connect_sandbox", timeout=timeout)
-        return res[0], bool(res[1])
+        async with self._one_at_a_time(sandbox_id):  # until it runs: the next caller finds it RUNNING
+            for attempt in range(_MOVE_ATTEMPTS):
+                rec = await self._record(sandbox_id, team_id)
+                if rec.state != SandboxState.PAUSED:
+                    res = await self._on_owner(sandbox_id, team_id, "connect_sandbox", timeout=timeout)
+                    return res[0], bool(res[1])
+                try:
+                    placed = await self._move(rec)
+                except AgentEnvError as e:
+                    # another gateway moved or resumed it after we read the record: look again
+                    if e.status == 409 and e.error_code == "sandbox_changing_state" and attempt + 1 < _MOVE_ATTEMPTS:
+                        log.info("resume of %s: %s; looking again", sandbox_id, e.message)
+                        continue
+                    raise
+                await self._moved(sandbox_id)
+                res = await self.client.rpc(placed["url"], "connect_sandbox", sandbox_id=sandbox_id, timeout=timeout,
+                                            team_id=team_id)
+                return res[0], bool(res[1])
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     async def fork_sandbox(self, sandbox_id: str, *, team_id: str, count: int | None = None,
                            timeout: int | None = None) -> list:
