@@ -878,6 +878,7 @@ def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | Non
             except GcIncomplete as e:
                 removed, failed = e.removed, e.failed
             removed["haproxy"] = await dataplane.stop_leftover(settings)  # a crashed server's data plane
+            c.orchestrator.captures.drop_kept_images()  # forks in flight ended with that server
             return removed, failed
         finally:
             reaper.cancel()

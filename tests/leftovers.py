@@ -134,9 +134,10 @@ class Leftovers:
     netns: list[str] = field(default_factory=list)
     mounts: list[str] = field(default_factory=list)
     processes: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # scratch a server removes (forks' kept images)
 
     def __bool__(self) -> bool:
-        return bool(self.containers or self.netns or self.mounts or self.processes)
+        return bool(self.containers or self.netns or self.mounts or self.processes or self.files)
 
     def describe(self) -> str:
         parts = []
@@ -148,6 +149,8 @@ class Leftovers:
             parts.append(f"mounts: {self.mounts}")
         if self.processes:
             parts.append("processes:\n    " + "\n    ".join(self.processes))
+        if self.files:
+            parts.append(f"files: {self.files}")
         return "\n  ".join(parts) if parts else "nothing"
 
 
@@ -187,6 +190,7 @@ def find_leftovers(
         netns=[n for n in agentenv_netns() if n not in ignore_netns],
         mounts=mounts_under(real),
         processes=processes,
+        files=sorted(str(p) for p in Path(real, "fork-images").glob("*")),
     )
 
 

@@ -82,3 +82,18 @@ def test_serve_with_an_unavailable_vm_runtime_fails_with_the_reason():
     finally:
         run_gc(d)
         remove_data_dir(d)
+
+
+def test_gc_removes_the_images_forks_of_a_killed_server_kept():
+    """A fork's children restore from an image in `fork-images/` that the fork removes when they are
+    up; a server killed in between leaves it, and `agentenv gc` (no server on the data dir) removes it."""
+    d = new_data_dir("gcfork")
+    try:
+        kept = d / "fork-images" / "isource000000000000000-0123456789ab"
+        kept.mkdir(parents=True)
+        (kept / "checkpoint.img").write_bytes(b"\0" * 4096)
+        r = run_gc(d)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not kept.exists() and not list((d / "fork-images").glob("*"))
+    finally:
+        remove_data_dir(d)
