@@ -53,8 +53,6 @@ class Captured:
         return self.sealed.memory
 
 
-
-
 class Capture:
     def __init__(self, host: SandboxHost, lifecycle: Lifecycle,
                  lose: Callable[[SandboxRecord, Exception], Awaitable[Exception]]) -> None:
