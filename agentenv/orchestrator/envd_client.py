@@ -99,12 +99,12 @@ async def blocking_connections(host_ip: str, *, host_token: str, timeout: float 
             writer.write(f"GET /agentenv/connections HTTP/1.1\r\nHost: {host_ip}:{ENVD_PORT}\r\n"
                          f"X-Agentenv-Host-Token: {host_token}\r\n\r\n".encode())
             status, headers = await _read_head(reader)
-            body = await reader.readexactly(int(headers.get("content-length", "0")))
+            body = await _read_body(reader, headers)
             if status != 200:
                 raise RuntimeFailure(f"envd connection check failed: HTTP {status}")
             writer.write_eof()  # the host closes first: no TIME_WAIT inside the sandbox
-            await reader.read()  # until envd's FIN: envd no longer holds the socket
-            return list(json.loads(body).get("connections", []))
+            rest = await reader.read()  # until envd's FIN: envd no longer holds the socket
+            return list(json.loads(rest if body is None else body).get("connections", []))
         finally:
             writer.close()
     return await asyncio.wait_for(ask(), timeout)
@@ -120,6 +120,20 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]
             k, v = line.split(":", 1)
             headers[k.strip().lower()] = v.strip()
     return status, headers
+
+
+async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes | None:
+    """A response body by its Content-Length or chunks; None when it ends with the connection."""
+    if "content-length" in headers:
+        return await reader.readexactly(int(headers["content-length"]))
+    if "chunked" not in headers.get("transfer-encoding", "").lower():
+        return None
+    body = bytearray()
+    while size := int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16):
+        body += (await reader.readexactly(size + 2))[:-2]
+    while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, if any
+        pass
+    return bytes(body)
 
 
 def _envd_headers(access_token: str | None, user: str) -> dict[str, str]:
