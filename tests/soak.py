@@ -25,6 +25,8 @@ MARK = "/home/user/mark"
 
 
 class Soak:
+    """The driver: `run()` it, then `assert_clean()`; `done` counts the operations that completed."""
+
     def __init__(self, api_url: str, api_key: str, track: Callable[[str], None], seed: int, *,
                  sdk: dict | None = None, run_s: float = 60, clients: int = 4, max_sandboxes: int = 10) -> None:
         self.api, self.headers = api_url, {"X-API-KEY": api_key}
@@ -208,8 +210,8 @@ class Soak:
         assert not self.failures, f"{len(self.failures)} failures: {self.failures[:10]}\n{log_tail}"
         assert sum(self.done.values()) >= 50 and {"fork", "race_capture", "race_kill"} <= set(self.done), self.done
 
-
     def client(self) -> None:
+        """One client: random operations until `run_s` is over."""
         held = [(self.check, 5), (self.write, 3), (self.pause, 3), (self.fork, 2), (self.kill, 2),
                 (self.resume_many, 1), (self.snapshot, 1), (self.expire, 1), (self.race_capture, 1),
                 (self.race_kill, 1)]
@@ -222,7 +224,8 @@ class Soak:
                 fn = self.rng.choices([f for f, _ in held], [w for _, w in held])[0]
                 name = fn.__name__
                 sid, box = self.grab()
-                if sid is None:
+                if sid is None:  # every sandbox is in another client's hands
+                    time.sleep(0.05)
                     continue
 
                 def op(fn=fn, sid=sid, box=box) -> None:
