@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -73,24 +74,19 @@ class ClusterOrchestrator:
         self._running_at = 0.0
         self.on_moved: list = []  # awaited with a sandbox id whose traffic must reconnect (pause, kill, move)
         self.on_route: list = []  # called with (sandbox id, node id) of a running sandbox the hop resolved
-        self._moving: dict[str, tuple[asyncio.Lock, int]] = {}  # sandbox id -> (lock, holders + waiters)
+        # sandbox id -> its lock while anyone holds or awaits it (they keep it alive)
+        self._moving: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     @contextlib.asynccontextmanager
     async def _one_at_a_time(self, sandbox_id: str) -> AsyncIterator[None]:
         """One resume or move of a sandbox at a time through this gateway. The store says PAUSED
         until the node that resumes it has finished: a second caller in between would have another
         node adopt it too (two nodes running it, one deleting the pause image the other needs)."""
-        lock, n = self._moving.get(sandbox_id, (asyncio.Lock(), 0))
-        self._moving[sandbox_id] = (lock, n + 1)
-        try:
-            async with lock:
-                yield
-        finally:
-            lock, n = self._moving[sandbox_id]
-            if n <= 1:
-                del self._moving[sandbox_id]
-            else:
-                self._moving[sandbox_id] = (lock, n - 1)
+        lock = self._moving.get(sandbox_id)
+        if lock is None:
+            lock = self._moving[sandbox_id] = asyncio.Lock()
+        async with lock:
+            yield
 
     # ------------------------------------------------------------------ nodes and bindings
 
@@ -265,7 +261,8 @@ class ClusterOrchestrator:
 
     async def connect_sandbox(self, sandbox_id: str, timeout: int, *, team_id: str) -> tuple[SandboxRecord, bool]:
         async with self._one_at_a_time(sandbox_id):  # until it runs: the next caller finds it RUNNING
-            for attempt in range(_MOVE_ATTEMPTS):
+            attempt = 1
+            while True:
                 rec = await self._record(sandbox_id, team_id)
                 if rec.state != SandboxState.PAUSED:
                     res = await self._on_owner(sandbox_id, team_id, "connect_sandbox", timeout=timeout)
@@ -274,7 +271,8 @@ class ClusterOrchestrator:
                     placed = await self._move(rec)
                 except AgentEnvError as e:
                     # another gateway moved or resumed it after we read the record: look again
-                    if e.status == 409 and e.error_code == "sandbox_changing_state" and attempt + 1 < _MOVE_ATTEMPTS:
+                    if e.status == 409 and e.error_code == "sandbox_changing_state" and attempt < _MOVE_ATTEMPTS:
+                        attempt += 1
                         log.info("resume of %s: %s; looking again", sandbox_id, e.message)
                         continue
                     raise
@@ -282,7 +280,6 @@ class ClusterOrchestrator:
                 res = await self.client.rpc(placed["url"], "connect_sandbox", sandbox_id=sandbox_id, timeout=timeout,
                                             team_id=team_id)
                 return res[0], bool(res[1])
-        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     async def fork_sandbox(self, sandbox_id: str, *, team_id: str, count: int | None = None,
                            timeout: int | None = None) -> list:
