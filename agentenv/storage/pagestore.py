@@ -310,7 +310,7 @@ class PageStore:
             raise ValueError(f"invalid pack name {name!r}")
         with self._lock:
             self._loaded()  # its first load clears leftover temporary files: not this download's
-        return self.packs / f".tmp-pull-{name}.pack"
+        return self.packs / f".tmp-pull-{name}-{secrets.token_hex(4)}.pack"  # two pulls of one pack: two files
 
     def adopt(self, name: str, downloaded: Path) -> int:
         """Make a pack downloaded to `download_path(name)` part of this store (pages, then index,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -80,6 +81,13 @@ async def get_record(store: SnapshotStore, kind: str, name: str) -> dict | None:
         dst = Path(d) / "record.json"
         await store.get_blob(kind, name, dst)
         return json.loads(dst.read_text())
+
+
+def download_temp(dst: Path) -> Path:
+    """Where `get_blob` writes before its rename onto `dst`: hidden (no listing of blobs sees it,
+    so a GC cannot take it for a blob nothing uses) and unique (concurrent downloads of one blob
+    do not share it)."""
+    return dst.with_name(f".tmp-get-{dst.name}-{secrets.token_hex(4)}")
 
 
 def _check_kind(kind: str) -> None:
@@ -154,12 +162,16 @@ class LocalSnapshotStore:
 
         def copy() -> None:
             dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(dst.name + ".part")
+            tmp = download_temp(dst)
             try:
-                os.link(src, tmp)
-            except OSError:
-                shutil.copyfile(src, tmp)
-            os.replace(tmp, dst)
+                try:
+                    os.link(src, tmp)
+                except OSError:
+                    shutil.copyfile(src, tmp)
+                os.replace(tmp, dst)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
 
         await asyncio.to_thread(copy)
 
@@ -168,6 +180,21 @@ class LocalSnapshotStore:
             self.blob_path(kind, digest).unlink()
         except FileNotFoundError:
             pass
+
+    def remove_stale_temps(self, older_than_s: float = 3600.0) -> int:
+        """Remove the temporary files of puts and gets a dead process left (`.tmp-*`, untouched for
+        `older_than_s`: one being written has a fresh mtime). Returns how many."""
+        cutoff, n = time.time() - older_than_s, 0
+        for kind in BLOB_KINDS:
+            d = self.root / kind
+            for tmp in d.glob(".tmp-*") if d.is_dir() else ():
+                try:
+                    if tmp.stat().st_mtime < cutoff:
+                        tmp.unlink()
+                        n += 1
+                except FileNotFoundError:
+                    pass
+        return n
 
     async def list_blobs(self, kind: str) -> list[str]:
         d = self.root / kind
@@ -311,7 +338,7 @@ class S3SnapshotStore:
     async def get_blob(self, kind: str, digest: str, dst: Path) -> None:
         _check_kind(kind)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(dst.name + ".part")
+        tmp = download_temp(dst)
         try:
             await self._call(self._s3.download_file, self.bucket, self._key(kind, digest), str(tmp))
         except BaseException:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 from agentenv.storage.artifacts import ArtifactCache
@@ -107,3 +108,25 @@ async def _age() -> None:
 
 async def _no_roots() -> Roots:
     return Roots()
+
+
+async def test_pulls_of_shared_pages_survive_each_other_and_a_concurrent_gc(store, tmp_path):
+    """Two images that share page packs, pulled at once by a node whose artifact GC runs meanwhile
+    (CI, cluster soak: a GC took a download under way for an unused blob, and the resume failed
+    with `….part: no such file`): both rebuild, and nothing temporary is left behind."""
+    base = os.urandom(8 * MB)
+    a = ArtifactCache(tmp_path / "a", store)
+    d1, _ = await _publish_step(a, store, tmp_path / "i1", base, b"state-1")
+    body2 = base[:6 * MB] + os.urandom(2 * MB)
+    d2, _ = await _publish_step(a, store, tmp_path / "i2", body2, b"state-2")
+    for i in range(4):
+        node = ArtifactCache(tmp_path / f"n{i}", store)
+        since = time.time()
+        pulls = asyncio.gather(node.ensure_memory(d1), node.ensure_memory(d2))
+        while not pulls.done():
+            await node.gc(set(), set(), fresh_since=since)
+            await asyncio.sleep(0)
+        i1, i2 = await pulls
+        _same(i1, base, b"state-1")
+        _same(i2, body2, b"state-2")
+        assert not [p for p in (tmp_path / f"n{i}").rglob(".tmp-*")]
