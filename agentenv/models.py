@@ -41,9 +41,10 @@ class SandboxState(str, enum.Enum):
 
 # Cluster node loss (its heartbeats stopped): every sandbox of the node becomes LOST except a paused
 # one whose state was published to the snapshot store (`SandboxRecord.memory_digest`, or a
-# filesystem-only pause): that one stays PAUSED and any other node can resume it. Here, not in
+# filesystem-only pause): that one is PAUSED and any other node can resume it, also when the lost
+# node was resuming it (RESUMING: the pause image goes only after RUNNING is stored). Here, not in
 # orchestrator.lifecycle, because the state stores apply it (state never imports orchestrator).
-SURVIVES_NODE_LOSS: frozenset[SandboxState] = frozenset({SandboxState.PAUSED})
+SURVIVES_NODE_LOSS: frozenset[SandboxState] = frozenset({SandboxState.PAUSED, SandboxState.RESUMING})
 
 
 # States whose sandboxes do not count against their team's concurrent-sandbox quota (every other
@@ -53,7 +54,7 @@ QUOTA_EXEMPT: frozenset[SandboxState] = frozenset({
 
 
 def after_node_loss(state: SandboxState, published: bool) -> SandboxState:
-    return state if state in SURVIVES_NODE_LOSS and published else SandboxState.LOST
+    return SandboxState.PAUSED if state in SURVIVES_NODE_LOSS and published else SandboxState.LOST
 
 
 @dataclass

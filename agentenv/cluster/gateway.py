@@ -79,9 +79,10 @@ class ClusterOrchestrator:
 
     @contextlib.asynccontextmanager
     async def _one_at_a_time(self, sandbox_id: str) -> AsyncIterator[None]:
-        """One resume or move of a sandbox at a time through this gateway. The store says PAUSED
-        until the node that resumes it has finished: a second caller in between would have another
-        node adopt it too (two nodes running it, one deleting the pause image the other needs)."""
+        """One resume or move of a sandbox at a time through this gateway: the next caller finds it
+        running and goes to its node. Across gateway replicas, the resuming node's claim in the
+        store (RESUMING, which no node can adopt) keeps a second node from taking it; this lock
+        spares the callers of one replica the moves and refusals of that race."""
         lock = self._moving.get(sandbox_id)
         if lock is None:
             lock = self._moving[sandbox_id] = asyncio.Lock()
@@ -269,17 +270,18 @@ class ClusterOrchestrator:
                     return res[0], bool(res[1])
                 try:
                     placed = await self._move(rec)
+                    await self._moved(sandbox_id)
+                    res = await self.client.rpc(placed["url"], "connect_sandbox", sandbox_id=sandbox_id,
+                                                timeout=timeout, team_id=team_id)
+                    return res[0], bool(res[1])
                 except AgentEnvError as e:
-                    # another gateway moved or resumed it after we read the record: look again
+                    # another gateway replica moved or resumed it after we read the record (the
+                    # node's claim of the resume lost to another node's adoption): look again
                     if e.status == 409 and e.error_code == "sandbox_changing_state" and attempt < _MOVE_ATTEMPTS:
                         attempt += 1
                         log.info("resume of %s: %s; looking again", sandbox_id, e.message)
                         continue
                     raise
-                await self._moved(sandbox_id)
-                res = await self.client.rpc(placed["url"], "connect_sandbox", sandbox_id=sandbox_id, timeout=timeout,
-                                            team_id=team_id)
-                return res[0], bool(res[1])
 
     async def fork_sandbox(self, sandbox_id: str, *, team_id: str, count: int | None = None,
                            timeout: int | None = None) -> list:

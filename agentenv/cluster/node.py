@@ -65,11 +65,11 @@ class NodeScopedStore:
     def __getattr__(self, name: str) -> Any:  # templates, keys, snapshots, nodes: shared as they are
         return getattr(self.inner, name)
 
-    async def put_sandbox(self, rec: SandboxRecord) -> None:
+    async def put_sandbox(self, rec: SandboxRecord) -> bool:
         if self.fenced:
             log.debug("fenced: not writing %s (%s)", rec.sandbox_id, rec.state.value)
-            return
-        await self.inner.put_sandbox_of(rec, self.node_id)
+            return False
+        return await self.inner.put_sandbox_of(rec, self.node_id)
 
     async def delete_sandbox(self, sandbox_id: str) -> None:
         if self.fenced:

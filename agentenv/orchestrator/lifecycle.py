@@ -8,8 +8,8 @@ interleave: the second one sees the state the first one left.
 `Lifecycle` also holds the node's live records (the state store is the durable copy) and is the
 only code that assigns `SandboxRecord.state` (tests/test_import_graph.py checks it): a new sandbox
 enters as CREATING (`enter`), a failed start leaves as FAILED (`fail`), an operation moves to its
-transient state (`begin`), back where it was when it is refused (`rollback`) and to its final
-state when it is done (`settle`).
+transient state (`begin`; `claim` also persists it, for a resume), back where it was when it is
+refused (`rollback`, `unclaim`) and to its final state when it is done (`settle`).
 """
 
 from __future__ import annotations
@@ -132,6 +132,26 @@ class Lifecycle:
         transient, final = check(rec.state, op, rec.sandbox_id)
         rec.state = transient
         return before, final
+
+    async def claim(self, rec: SandboxRecord, before: S) -> None:
+        """Persist the transient state `begin` set, by a write only the sandbox's owner makes: in a
+        cluster, a resume that another node's adoption overtook is refused (409, back to `before`),
+        and while the store says RESUMING no node can adopt the sandbox (`claim_sandbox` takes only
+        PAUSED ones). A claimed operation that fails goes back with `unclaim`."""
+        try:
+            written = await self.store.put_sandbox(rec)
+        except BaseException:
+            rec.state = before
+            raise
+        if not written:
+            rec.state = before
+            raise Conflict(f"Sandbox {rec.sandbox_id} was taken over by another node; try again",
+                           error_code="sandbox_changing_state")
+
+    async def unclaim(self, rec: SandboxRecord, before: S) -> None:
+        """A claimed operation failed: back to `before`, in the store too."""
+        rec.state = before
+        await self.store.put_sandbox(rec)
 
     def rollback(self, rec: SandboxRecord, before: S) -> None:
         """An operation refused before anything happened: back to where it was (not persisted: the

@@ -124,9 +124,8 @@ class PauseResume:
                           "it keeps running", error_code="snapshot_store_unavailable",
                           headers={"Retry-After": "5"}) from why
 
-    async def drop_paused_memory(self, rec: SandboxRecord) -> None:
+    async def drop_paused_memory(self, digest: str | None) -> None:
         """A published pause image is used once: after the resume (or kill) it goes from the store."""
-        digest, rec.memory_digest = rec.memory_digest, None
         if digest:
             try:
                 await self.artifacts.store.delete_blob("memory", digest)
@@ -143,7 +142,12 @@ class PauseResume:
         host = self.host
         before, final = self.lifecycle.begin(rec, "resume")
         reservation = self.admission.bind()  # the resuming record counts here from now on
-        await self.admission.bind_shared(reservation, rec.sandbox_id)  # in the store: once it is RUNNING
+        await self.admission.bind_shared(reservation, rec.sandbox_id)  # in the store: from the claim on
+        try:
+            await self.lifecycle.claim(rec, before)  # RESUMING in the store: no other node adopts it now
+        except BaseException:
+            self.admission.unbind(reservation)
+            raise
         ckpt = host.checkpoint_dir(rec.sandbox_id)
         full = rec.pause_mode != "filesystem" and ckpt.is_dir() and any(ckpt.iterdir())
         pinned = rec.memory_digest if rec.pause_mode != "filesystem" else None
@@ -152,22 +156,33 @@ class PauseResume:
                 ckpt, full = await host.pin_memory(pinned), True
             await host.bring_up(rec, restore_from=ckpt if full else None,
                                 restore_token=rec.envd_access_token if full else None)
-        except Exception as e:  # noqa: BLE001
+        except BaseException as e:
             # The paused state on disk is intact: undo what the attempt set up and stay paused.
             log.error("resume of %s failed: %s", rec.sandbox_id, e)
-            await host.stand_down(rec.sandbox_id, rec.runtime)
-            self.lifecycle.rollback(rec, before)
-            raise RuntimeFailure(f"resume of sandbox {rec.sandbox_id} failed: {e}") from e
+            await asyncio.shield(self._resume_failed(rec, before))
+            if isinstance(e, Exception):
+                raise RuntimeFailure(f"resume of sandbox {rec.sandbox_id} failed: {e}") from e
+            raise
         finally:
             if pinned:
                 host.unpin(pinned)
-        if pinned:
-            await self.drop_paused_memory(rec)
-        else:
-            shutil.rmtree(ckpt, ignore_errors=True)
+        # RUNNING in the store before the pause image goes: a crash in between leaves an unused
+        # image (collected), never a paused record whose image is gone
+        image, rec.memory_digest = rec.memory_digest, None
         now = utcnow()
         rec.pause_mode = None
         rec.started_at = now
         rec.end_at = now + timedelta(seconds=timeout)
         await self.lifecycle.settle(rec, final)
+        if pinned:
+            await self.drop_paused_memory(image)
+        else:
+            shutil.rmtree(ckpt, ignore_errors=True)
         log.info("resumed sandbox %s", rec.sandbox_id)
+
+    async def _resume_failed(self, rec: SandboxRecord, before: SandboxState) -> None:
+        await self.host.stand_down(rec.sandbox_id, rec.runtime)
+        try:
+            await self.lifecycle.unclaim(rec, before)
+        except Exception as e:  # noqa: BLE001 - the store says RESUMING; the next resume claims it again
+            log.warning("sandbox %s is paused again, but the state store was not told: %s", rec.sandbox_id, e)

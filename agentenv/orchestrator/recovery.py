@@ -49,6 +49,11 @@ async def reconcile(orch: "Orchestrator") -> None:
         await host.release_slot(sandbox_id)
 
     for rec in await orch.store.list_sandboxes():
+        if rec.state == SandboxState.RESUMING:
+            # a resume the old process did not finish: its pause image is intact (it goes only
+            # after RUNNING is stored); a container it restored half-way is stood down below
+            lifecycle.mark(rec, SandboxState.PAUSED)
+            await lifecycle.persist(rec)
         if rec.state in (SandboxState.FORKING, SandboxState.SNAPSHOTTING):
             # a capture the old process did not finish (it records the source's new layers
             # half-way): the source still runs (frozen at worst), or its capture journal holds it

@@ -342,7 +342,7 @@ class Orchestrator:
             self.lifecycle.begin(rec, "kill")
             await self.host.teardown(sandbox_id, rec.runtime)
             await self.lifecycle.remove(rec)
-            await self.pauses.drop_paused_memory(rec)
+            await self.pauses.drop_paused_memory(rec.memory_digest)
         self.lifecycle.forget(sandbox_id)
         log.info("killed sandbox %s", sandbox_id)
         if rec.layers or rec.memory_digest:

@@ -159,13 +159,14 @@ class SQLStateStore:
 
     # sandboxes ----------------------------------------------------------------------------------
 
-    async def put_sandbox(self, rec: SandboxRecord) -> None:
+    async def put_sandbox(self, rec: SandboxRecord) -> bool:
         await self._write(self._upsert(sandboxes, rows.sandbox_values(rec), ["sandbox_id"]))
+        return True
 
-    async def put_sandbox_of(self, rec: SandboxRecord, node_id: str) -> None:
+    async def put_sandbox_of(self, rec: SandboxRecord, node_id: str) -> bool:
         rec.node_id = node_id
-        await self._write(self._upsert(sandboxes, rows.sandbox_values(rec), ["sandbox_id"],
-                                       guard=lambda excluded: sandboxes.c.node_id == excluded.node_id))
+        return await self._write(self._upsert(sandboxes, rows.sandbox_values(rec), ["sandbox_id"],
+                                              guard=lambda excluded: sandboxes.c.node_id == excluded.node_id)) == 1
 
     async def get_sandbox(self, sandbox_id: str) -> SandboxRecord | None:
         found = await self._rows(select(sandboxes).where(sandboxes.c.sandbox_id == sandbox_id))
@@ -450,4 +451,7 @@ class SQLStateStore:
         result = await conn.execute(
             update(sandboxes).where(sandboxes.c.node_id == node_id, sandboxes.c.state != lost, ~safe)
             .values(state=lost, slot=None).returning(sandboxes.c.sandbox_id))
+        await conn.execute(update(sandboxes).where(sandboxes.c.node_id == node_id, safe,
+                                                   sandboxes.c.state == SandboxState.RESUMING.value)
+                           .values(state=SandboxState.PAUSED.value, slot=None))  # a resume the node did not finish
         return list(result.scalars().all())

@@ -263,3 +263,60 @@ def test_store_gc_counts_every_node_and_keeps_what_checkpoints_and_pauses_need(c
             assert not missing, (k, missing)
     log = (cluster.work / "scheduler.log").read_text()
     assert "snapshot store:" in log, "the scheduler's periodic store GC never ran"
+
+
+def test_concurrent_resumes_through_two_gateway_replicas(cluster):
+    """Six `connect`s of one paused sandbox at once, half through a second gateway replica (each
+    replica asks the scheduler, whose reservations send the second one to another node): one node
+    resumes it, the others' resumes are refused by its claim in the store (RESUMING) and are sent
+    to it, every caller gets the sandbox with its files, and it runs on exactly one node."""
+    replica = cluster.start_gateway()
+    gateways = [cluster.gateway.url, replica.url]
+    opts = cluster.sdk_opts()
+    sbx = Sandbox.create(timeout=600, **opts)
+    try:
+        for round_ in range(4):
+            sbx.files.write("/home/user/round.txt", f"round {round_}")
+            Sandbox.pause(sbx.sandbox_id, **opts)
+
+            def connect(i: int) -> str:
+                url = gateways[i % 2]
+                s = Sandbox.connect(sbx.sandbox_id, timeout=600, api_key=cluster.api_key, api_url=url,
+                                    sandbox_url=url)
+                return s.files.read("/home/user/round.txt")
+
+            with ThreadPoolExecutor(6) as pool:
+                seen = list(pool.map(connect, range(6)))
+            assert seen == [f"round {round_}"] * 6
+            node, state = bindings(cluster, {sbx.sandbox_id})[sbx.sandbox_id]
+            assert state == "running"
+            team = _record(cluster, sbx.sandbox_id).team_id
+            running_on = [n for n, proc in cluster.nodes.items() if _held_by(cluster, proc, sbx.sandbox_id, team)]
+            assert running_on == [node], (running_on, node)
+    finally:
+        try:
+            Sandbox.kill(sbx.sandbox_id, **opts)
+        finally:
+            replica.stop()
+
+
+def _record(cluster, sandbox_id: str):
+    async def go():
+        s = PostgresStateStore(cluster.database_url, min_size=1, max_size=1)
+        await s.open()
+        try:
+            return await s.get_sandbox(sandbox_id)
+        finally:
+            await s.close()
+
+    return asyncio.run(go())
+
+
+def _held_by(cluster, node, sandbox_id: str, team_id: str) -> bool:
+    """Whether the node itself (not the shared store) holds the sandbox, running."""
+    r = cluster.pki.request("POST", f"{node.url}/internal/rpc/get_sandbox",
+                            json={"sandbox_id": sandbox_id, "team_id": team_id}, timeout=30)
+    if r.status_code == 404:
+        return False
+    assert r.status_code == 200, r.text
+    return r.json()["state"] == "running"

@@ -10,6 +10,7 @@ import os
 import secrets
 import shutil
 import signal
+import sqlite3
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,12 +75,17 @@ def test_server_kill9_then_restart_keeps_paused_sandbox_and_snapshots(server):
         survivors = _group_members(crashed_pgid)
         print(f"after kill -9: {len(survivors)} processes left in the crashed server's group; "
               f"runsc containers: {runsc_containers(d)}")
+        # as a crash in the middle of a resume leaves it: RESUMING in the store (the resume's claim)
+        with sqlite3.connect(d / "state.db") as db:
+            assert db.execute("UPDATE sandboxes SET state = 'resuming' WHERE sandbox_id = ?",
+                              (a.sandbox_id,)).rowcount == 1
 
         second = start_extra_server(d, api_key=key, log_name="server-2.log")
         second.known_ids |= first.known_ids
         o2 = second.sdk_opts()
 
-        # The paused sandbox resumes with its process, memory and files.
+        # The paused sandbox (or the one whose resume the crash cut) resumes with its process, memory
+        # and files.
         a2 = Sandbox.connect(a.sandbox_id, timeout=TIMEOUT_S, **o2)
         got = ask_worker(a2)
         assert_same_worker(got, at_pause, "paused sandbox resumed after the server crash")

@@ -147,14 +147,18 @@ async def test_sandbox_filters_by_node_and_keeps_pause_fields(store):
 
 async def test_guarded_writes_and_claim(store):
     rec = sandbox(3, state=SandboxState.PAUSED, memory_digest="m")
-    await store.put_sandbox_of(rec, "n1")
+    assert await store.put_sandbox_of(rec, "n1")
     assert await store.claim_sandbox(rec.sandbox_id, "n1", "n2")
     assert not await store.claim_sandbox(rec.sandbox_id, "n1", "n3")  # n2 has it now
-    # n1's late writes and deletes no longer touch it
-    await store.put_sandbox_of(replace(rec, state=SandboxState.RUNNING), "n1")
+    # n1's late writes and deletes no longer touch it, and n1 is told so (a resume's claim)
+    assert not await store.put_sandbox_of(replace(rec, state=SandboxState.RESUMING), "n1")
     await store.delete_sandbox_of(rec.sandbox_id, "n1")
     got = await store.get_sandbox(rec.sandbox_id)
     assert got is not None and got.node_id == "n2" and got.state == SandboxState.PAUSED and got.slot is None
+    # n2 claims its resume: while the store says RESUMING no other node can adopt it
+    assert await store.put_sandbox_of(replace(got, state=SandboxState.RESUMING), "n2")
+    assert not await store.claim_sandbox(rec.sandbox_id, "n2", "n1")
+    assert (await store.get_sandbox(rec.sandbox_id)).node_id == "n2"
     running = sandbox(4)
     await store.put_sandbox_of(running, "n2")
     assert not await store.claim_sandbox(running.sandbox_id, "n2", "n1")  # only paused ones move
@@ -235,7 +239,8 @@ async def test_node_heartbeats_expire_and_lose_unsafe_sandboxes(store):
     safe = sandbox(11, state=SandboxState.PAUSED, memory_digest="m")
     unsafe = sandbox(12, state=SandboxState.PAUSED, pause_mode="full")
     other = sandbox(13, node_id="n2")
-    for r in (running, safe, unsafe, other):
+    resuming = sandbox(14, state=SandboxState.RESUMING, memory_digest="m2")  # its pause image is still there
+    for r in (running, safe, unsafe, other, resuming):
         await store.put_sandbox(r)
     assert await store.expire_nodes(60) == {}
     await _age_heartbeats(store, ["n1"], 30)
@@ -245,6 +250,7 @@ async def test_node_heartbeats_expire_and_lose_unsafe_sandboxes(store):
     assert (await store.get_node("n1")).state == "dead"
     assert (await store.get_sandbox(running.sandbox_id)).state == SandboxState.LOST
     assert (await store.get_sandbox(safe.sandbox_id)).state == SandboxState.PAUSED
+    assert (await store.get_sandbox(resuming.sandbox_id)).state == SandboxState.PAUSED  # resumable elsewhere
     assert (await store.get_sandbox(other.sandbox_id)).state == SandboxState.RUNNING
     assert await store.expire_nodes(10) == {}  # reported once
     n1 = await store.get_node("n1")
