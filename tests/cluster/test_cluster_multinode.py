@@ -14,6 +14,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 from e2b import Sandbox
 
 from agentenv.state.postgres import PostgresStateStore
@@ -265,17 +266,19 @@ def test_store_gc_counts_every_node_and_keeps_what_checkpoints_and_pauses_need(c
     assert "snapshot store:" in log, "the scheduler's periodic store GC never ran"
 
 
-def test_concurrent_resumes_through_two_gateway_replicas(cluster):
-    """Six `connect`s of one paused sandbox at once, half through a second gateway replica (each
-    replica asks the scheduler, whose reservations send the second one to another node): one node
-    resumes it, the others' resumes are refused by its claim in the store (RESUMING) and are sent
-    to it, every caller gets the sandbox with its files, and it runs on exactly one node."""
+def test_concurrent_resumes_through_two_gateway_replicas(cluster, tmp_path):
+    """Six `connect`s of one paused sandbox at once, half through a second gateway replica, with
+    its node drained (each replica has the scheduler place a move, and the scheduler's reservations
+    send them to different nodes): one node resumes it, the other moves are refused by its claim in
+    the store (RESUMING) and sent to it, every caller gets the sandbox with its files, and it runs
+    on exactly one node."""
     replica = cluster.start_gateway()
     gateways = [cluster.gateway.url, replica.url]
+    probe = tuple(map(str, cluster.pki.issue("gateway", "probe", out=tmp_path)))  # nodes' rpc: gateways only
     opts = cluster.sdk_opts()
     sbx = Sandbox.create(timeout=600, **opts)
     try:
-        for round_ in range(4):
+        for round_ in range(2):
             sbx.files.write("/home/user/round.txt", f"round {round_}")
             Sandbox.pause(sbx.sandbox_id, **opts)
 
@@ -285,14 +288,51 @@ def test_concurrent_resumes_through_two_gateway_replicas(cluster):
                                     sandbox_url=url)
                 return s.files.read("/home/user/round.txt")
 
-            with ThreadPoolExecutor(6) as pool:
-                seen = list(pool.map(connect, range(6)))
+            # its node drained: every resume is a move, and the scheduler's reservations send the
+            # replicas' concurrent moves to the two other nodes
+            holder = bindings(cluster, {sbx.sandbox_id})[sbx.sandbox_id][0]
+            cluster.drain(holder)
+            try:
+                with ThreadPoolExecutor(6) as pool:
+                    seen = list(pool.map(connect, range(6)))
+            finally:
+                cluster.drain(holder, False)
             assert seen == [f"round {round_}"] * 6
             node, state = bindings(cluster, {sbx.sandbox_id})[sbx.sandbox_id]
             assert state == "running"
             team = _record(cluster, sbx.sandbox_id).team_id
-            running_on = [n for n, proc in cluster.nodes.items() if _held_by(cluster, proc, sbx.sandbox_id, team)]
+            running_on = [n for n, proc in cluster.nodes.items()
+                          if _held_by(cluster, probe, proc, sbx.sandbox_id, team)]
             assert running_on == [node], (running_on, node)
+
+        # The race itself, at the nodes, as two replicas' moves would run it: node x resumes the
+        # sandbox while node y adopts it from x. Exactly one of them wins; before the resume's
+        # claim both did (two nodes running it, one deleting the pause image the other needed).
+        sbx.files.write("/home/user/round.txt", "raced")
+        Sandbox.pause(sbx.sandbox_id, **opts)
+        holder = bindings(cluster, {sbx.sandbox_id})[sbx.sandbox_id][0]
+        x, y = sorted(n for n in cluster.nodes if n != holder)
+        team = _record(cluster, sbx.sandbox_id).team_id
+
+        def rpc(node: str, method: str, **kw) -> requests.Response:
+            return requests.post(f"{cluster.nodes[node].url}/internal/rpc/{method}", json=kw, cert=probe,
+                                 verify=str(cluster.pki.ca), timeout=600)
+
+        assert rpc(x, "adopt_sandbox", sandbox_id=sbx.sandbox_id, from_node=holder).status_code == 200
+        assert rpc(holder, "release_sandbox", sandbox_id=sbx.sandbox_id).status_code == 200
+        with ThreadPoolExecutor(1) as pool:
+            resume = pool.submit(rpc, x, "connect_sandbox", sandbox_id=sbx.sandbox_id, timeout=600, team_id=team)
+            time.sleep(0.15)  # x's resume under way (it claims it first thing)
+            adopt = rpc(y, "adopt_sandbox", sandbox_id=sbx.sandbox_id, from_node=x)
+            resumed = resume.result()
+        codes = sorted([resumed.status_code, adopt.status_code])
+        assert codes == [200, 409], (resumed.text, adopt.text)
+        loser = adopt if adopt.status_code == 409 else resumed
+        assert loser.json()["error_code"] == "sandbox_changing_state", loser.text
+        running_on = [n for n, proc in cluster.nodes.items() if _held_by(cluster, probe, proc, sbx.sandbox_id, team)]
+        assert running_on == ([x] if resumed.status_code == 200 else []), running_on
+        back = Sandbox.connect(sbx.sandbox_id, timeout=600, **opts)
+        assert back.files.read("/home/user/round.txt") == "raced"
     finally:
         try:
             Sandbox.kill(sbx.sandbox_id, **opts)
@@ -312,10 +352,10 @@ def _record(cluster, sandbox_id: str):
     return asyncio.run(go())
 
 
-def _held_by(cluster, node, sandbox_id: str, team_id: str) -> bool:
+def _held_by(cluster, cert: tuple[str, str], node, sandbox_id: str, team_id: str) -> bool:
     """Whether the node itself (not the shared store) holds the sandbox, running."""
-    r = cluster.pki.request("POST", f"{node.url}/internal/rpc/get_sandbox",
-                            json={"sandbox_id": sandbox_id, "team_id": team_id}, timeout=30)
+    r = requests.post(f"{node.url}/internal/rpc/get_sandbox", json={"sandbox_id": sandbox_id, "team_id": team_id},
+                      cert=cert, verify=str(cluster.pki.ca), timeout=30)
     if r.status_code == 404:
         return False
     assert r.status_code == 200, r.text
