@@ -12,10 +12,12 @@ written or captured, and a killed or expired sandbox is gone. Used against one s
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import requests
 from e2b import Sandbox
@@ -204,9 +206,13 @@ class Soak:
             except Exception as e:  # noqa: BLE001
                 self.fail(f"at the end {sid}: {e!r}"[:400])
 
-    def assert_clean(self, log_tail: str = "") -> None:
+    def assert_clean(self, log_tail: str = "", logs: dict[str, Path] | None = None) -> None:
+        """No failure; else fail with them, `log_tail`, and every line of `logs` (name -> log file)
+        that names a sandbox or an artifact digest a failure names."""
         for f in self.failures:
             print("soak failure:", f)
+        if self.failures and logs:
+            log_tail += "\n" + about(self.failures, logs)
         assert not self.failures, f"{len(self.failures)} failures: {self.failures[:10]}\n{log_tail}"
         assert sum(self.done.values()) >= 50 and {"fork", "race_capture", "race_kill"} <= set(self.done), self.done
 
@@ -239,3 +245,20 @@ class Soak:
                     self.done[name] = self.done.get(name, 0) + 1
             except Exception as e:  # noqa: BLE001 - every error is a failure here
                 self.fail(f"{name}: {e!r}"[:400])
+
+
+def about(failures: list[str], logs: dict[str, Path], limit: int = 150) -> str:
+    """The log lines that name what `failures` name: sandbox ids, and artifact digests (12+ hex)."""
+    keys = set()
+    for f in failures:
+        keys |= set(re.findall(r"\bi[0-9a-z]{20}\b", f)) | {d[:12] for d in re.findall(r"\b[0-9a-f]{12,64}\b", f)}
+    out = []
+    for name, path in logs.items():
+        try:
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if any(k in ln for k in keys)]
+        except OSError as e:
+            lines = [f"<unreadable: {e}>"]
+        out.append(f"--- {name}: {len(lines)} line(s) about {sorted(keys)[:6]}")
+        out += lines[-limit:]
+    return "\n".join(out)
+

@@ -26,7 +26,9 @@ def test_cluster_soak_keeps_every_sandbox_and_its_data(cluster):
         print("operations done:", soak.done)
         nodes = Counter(node for node, _state in bindings(cluster, ids).values())
         print("sandboxes left per node:", dict(nodes))
-        soak.assert_clean("\n".join(f"--- node {n.name}\n{n.log_tail(15)}" for n in cluster.nodes.values()))
+        soak.assert_clean("\n".join(f"--- node {n.name}\n{n.log_tail(15)}" for n in cluster.nodes.values()),
+                          logs={**{f"node {n.name}": n.log_path for n in cluster.nodes.values()},
+                                "gateway": cluster.gateway.log_path, "scheduler": cluster.scheduler.log_path})
     finally:
         for sid in ids:
             try:

@@ -16,4 +16,4 @@ def test_concurrent_random_operations_keep_every_sandbox_and_its_data(server, tr
     soak = Soak(server.api_url, server.api_key, tracker.ids.add, seed=20261205)
     soak.run()
     print("operations done:", soak.done)
-    soak.assert_clean(server.log_tail(30))
+    soak.assert_clean(server.log_tail(30), logs={"server": server.log_path})
