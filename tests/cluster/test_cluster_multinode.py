@@ -22,18 +22,27 @@ from agentenv.state.postgres import PostgresStateStore
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1500)]
 
 
-def bindings(cluster, ids=None) -> dict[str, str]:
-    """sandbox id -> node id, as the shared state store has them."""
+def from_store(cluster, read):
+    """`await read(store)` on the cluster's real PostgreSQL state store."""
 
     async def go():
         s = PostgresStateStore(cluster.database_url, min_size=1, max_size=1)
         await s.open()
         try:
-            return {r.sandbox_id: (r.node_id, r.state.value) for r in await s.list_sandboxes()}
+            return await read(s)
         finally:
             await s.close()
 
-    got = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def bindings(cluster, ids=None) -> dict[str, str]:
+    """sandbox id -> node id, as the shared state store has them."""
+
+    async def read(s):
+        return {r.sandbox_id: (r.node_id, r.state.value) for r in await s.list_sandboxes()}
+
+    got = from_store(cluster, read)
     return {k: v for k, v in got.items() if ids is None or k in ids}
 
 
@@ -341,15 +350,7 @@ def test_concurrent_resumes_through_two_gateway_replicas(cluster, tmp_path):
 
 
 def _record(cluster, sandbox_id: str):
-    async def go():
-        s = PostgresStateStore(cluster.database_url, min_size=1, max_size=1)
-        await s.open()
-        try:
-            return await s.get_sandbox(sandbox_id)
-        finally:
-            await s.close()
-
-    return asyncio.run(go())
+    return from_store(cluster, lambda s: s.get_sandbox(sandbox_id))
 
 
 def _held_by(cluster, cert: tuple[str, str], node, sandbox_id: str, team_id: str) -> bool:

@@ -9,7 +9,6 @@ which pull them from S3: it sees the copied file and the RUN step's output.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 
@@ -17,22 +16,13 @@ import pytest
 import requests
 from e2b import Sandbox, Template
 
-from agentenv.state.postgres import PostgresStateStore
-from test_cluster_multinode import bindings
+from test_cluster_multinode import bindings, from_store
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
 
 def build_record(cluster, build_id: str):
-    async def go():
-        s = PostgresStateStore(cluster.database_url, min_size=1, max_size=1)
-        await s.open()
-        try:
-            return await s.get_build(build_id)
-        finally:
-            await s.close()
-
-    return asyncio.run(go())
+    return from_store(cluster, lambda s: s.get_build(build_id))
 
 
 def test_template_built_through_the_gateway_starts_on_another_node(cluster, tmp_path):
