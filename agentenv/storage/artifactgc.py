@@ -75,7 +75,8 @@ class ArtifactCollector(ArtifactFiles):
         pins it right after the seal returns, which the sets may have missed."""
         self._fresh = {d: t for d, t in self._fresh.items() if t > time.time() - 3600}
         removed = {"layers": 0, "memory": 0}
-        await asyncio.to_thread(self.local.remove_stale_temps)  # a crash mid-download
+        if self._swept_roots is None and await asyncio.to_thread(self.local.remove_stale_temps):
+            log.info("removed the temporary files of downloads a dead process left")  # first gc only
         for kind, in_use, dir_of in (("layers", layers_in_use, self.layer_dir),
                                      ("memory", memory_in_use, self.memory_dir)):
             base = self.root / kind

@@ -130,10 +130,11 @@ async def test_pulls_of_shared_pages_survive_each_other_and_a_concurrent_gc(stor
         _same(i1, base, b"state-1")
         _same(i2, body2, b"state-2")
         assert not [p for p in (tmp_path / f"n{i}").rglob(".tmp-*")]
-    # a download a dead process left: removed by the next GC once it is an hour old, not before
+    # a download a dead process left: removed by the next process's first GC once it is an hour
+    # old, not before
     stale, fresh = (node.local.root / "memory" / f".tmp-get-{d}-dead" for d in (d1, d2))
     for p in (stale, fresh):
         p.write_bytes(b"partial")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
-    await node.gc(set(), set(), fresh_since=time.time())
+    await ArtifactCache(node.root, store).gc(set(), set(), fresh_since=time.time())
     assert not stale.exists() and fresh.exists()
