@@ -4,6 +4,8 @@ Faults injected, each against a real `agentenv serve`:
 - runsc refuses the checkpoint (a wrapper around the real runsc, `AGENTENV_RUNSC_PATH`, answers
   `checkpoint` with an error while a trigger file exists);
 - runsc is SIGKILLed 50 ms into its checkpoint (same wrapper, another trigger file);
+- runsc refuses the restore of a paused sandbox (same wrapper): the resume had already claimed the
+  sandbox in the state store (RESUMING), and must give the claim back;
 - the disk is full during a pause (a real ENOSPC: a 1 MiB tmpfs mounted on the pause image dir);
 - the snapshot store (a real S3 server, rclone) is down during a snapshot publish and during a
   pause publish (the server runs with `publish_paused` on, as `agentenv node` does: a pause is
@@ -25,6 +27,7 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -46,7 +49,7 @@ from serverproc import ExtraServer, new_api_key, new_data_dir, remove_data_dir, 
 TIMEOUT_S = 900
 MARKER = "written before the fault\n"
 
-# Execs the real runsc, except for `checkpoint` while a trigger file exists in FAULTS.
+# Execs the real runsc, except for `checkpoint` (and `restore`) while a trigger file exists in FAULTS.
 WRAPPER_SH = r'''#!/bin/sh
 FAULTS='{faults}'
 REAL='{real}'
@@ -64,6 +67,13 @@ for a in "$@"; do
       wait "$pid"
       echo "runsc checkpoint killed by the test (rc=$?)" >&2
       exit 137
+    fi
+    break
+  fi
+  if [ "$a" = restore ]; then
+    if [ -e "$FAULTS/refuse-restore" ]; then
+      echo "restore failed: injected by the test" >&2
+      exit 1
     fi
     break
   fi
@@ -292,6 +302,49 @@ def test_runsc_killed_mid_checkpoint_leaves_sandbox_running(faulty):
         _kill(srv, sbx.sandbox_id)
         for s in Sandbox.list_snapshots(**srv.sdk_opts()).next_items():
             Sandbox.delete_snapshot(s.snapshot_id, **srv.sdk_opts())
+
+
+def _stored(srv: ExtraServer, sid: str) -> tuple[str, str | None]:
+    """The sandbox's state and pause image as the server's state store (SQLite) has them."""
+    with sqlite3.connect(srv.data_dir / "state.db") as db:
+        row = db.execute("SELECT state, memory_digest FROM sandboxes WHERE sandbox_id = ?", (sid,)).fetchone()
+    assert row is not None, f"sandbox {sid} is not in the state store"
+    return row[0], row[1]
+
+
+@pytest.mark.timeout(300)
+def test_refused_restore_leaves_sandbox_paused_and_resumable(faulty):
+    """A resume claims the sandbox first (RESUMING in the store: in a cluster no other node adopts it
+    from then on). When the restore then fails, the claim is given back: PAUSED in the store as well,
+    the pause image kept, and the next resume continues the same worker."""
+    srv = faulty.srv
+    sbx, before = _prepare(srv)
+    sid = sbx.sandbox_id
+    try:
+        assert sbx.pause() is True
+        state, image = _stored(srv, sid)
+        assert state == "paused" and image, (state, image)
+        blob = faulty.s3.root / "faults" / "agentenv" / "memory" / image
+        assert blob.exists(), f"the pause image is not in the store: {sorted(faulty.s3.root.rglob('*'))[:20]}"
+        faulty.inject("refuse-restore")
+        for attempt in range(2):  # a second resume claims it again: the first one left nothing behind
+            with pytest.raises(Exception) as ei:
+                Sandbox.connect(sid, timeout=TIMEOUT_S, **srv.sdk_opts())
+            assert "injected" in str(ei.value), f"attempt {attempt}: {ei.value!r}\n{srv.log_tail(30)}"
+            _assert_intact(srv, sbx, before, f"after refused restore {attempt}", SandboxState.PAUSED)
+            assert _stored(srv, sid) == ("paused", image), f"attempt {attempt}: the store kept the claim"
+            assert blob.exists(), f"attempt {attempt}: a failed resume deleted the pause image"
+        faulty.clear()
+        again = Sandbox.connect(sid, timeout=TIMEOUT_S, **srv.sdk_opts())
+        _assert_intact(srv, again, before, "resumed after refused restores")
+        assert _stored(srv, sid) == ("running", None)
+        deadline = time.monotonic() + 10  # the image goes once RUNNING is stored
+        while blob.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not blob.exists(), "the pause image was not deleted after the resume"
+    finally:
+        faulty.clear()
+        _kill(srv, sid)
 
 
 @pytest.mark.timeout(300)
