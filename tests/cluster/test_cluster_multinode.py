@@ -46,6 +46,17 @@ def bindings(cluster, ids=None) -> dict[str, str]:
     return {k: v for k, v in got.items() if ids is None or k in ids}
 
 
+def s3_client(cluster):
+    """A boto3 client of the cluster's snapshot store (rclone serving S3; bucket `cluster`)."""
+    import boto3
+    from botocore.config import Config
+
+    s3 = cluster.s3
+    return boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
+                        aws_secret_access_key=s3.secret_key, region_name="us-east-1",
+                        config=Config(s3={"addressing_style": "path"}))
+
+
 def test_cluster_end_to_end(cluster):
     opts = cluster.sdk_opts()
     created: list[Sandbox] = []
@@ -201,16 +212,10 @@ def test_store_gc_counts_every_node_and_keeps_what_checkpoints_and_pauses_need(c
     import os
     import subprocess
 
-    import boto3
-    from botocore.config import Config
-
     from agentenv.client.timetravel import TimeTravel
     from serverproc import agentenv_executable
 
-    s3 = cluster.s3
-    client = boto3.client("s3", endpoint_url=s3.endpoint, aws_access_key_id=s3.access_key,
-                          aws_secret_access_key=s3.secret_key, region_name="us-east-1",
-                          config=Config(s3={"addressing_style": "path"}))
+    client = s3_client(cluster)
     prefix = "agentenv/"
 
     def keys() -> set[str]:
@@ -347,6 +352,54 @@ def test_concurrent_resumes_through_two_gateway_replicas(cluster, tmp_path):
             Sandbox.kill(sbx.sandbox_id, **opts)
         finally:
             replica.stop()
+
+
+def test_failed_move_leaves_the_sandbox_paused_for_any_node(cluster, tmp_path):
+    """A resume that fails after its claim (the pause image cannot be pulled from the store) gives
+    the claim back: PAUSED in the store, so the sandbox is not pinned to the node that failed. With
+    that node drained too, the next connect moves it to the third node, with its files. Without the
+    unclaim the store says RESUMING: no node can adopt it, and it stays bound to the node that failed
+    (drained or not)."""
+    opts = cluster.sdk_opts()
+    client = s3_client(cluster)
+    sbx = Sandbox.create(timeout=600, **opts)
+    drained: list[str] = []
+    withheld = tmp_path / "pause-image"
+    key = None
+    try:
+        sbx.files.write("/home/user/kept.txt", "across a failed move")
+        Sandbox.pause(sbx.sandbox_id, **opts)
+        rec = _record(cluster, sbx.sandbox_id)
+        holder, image = rec.node_id, rec.memory_digest
+        assert image, "a published pause has a memory image"
+        key = f"agentenv/memory/{image}"
+        client.download_file("cluster", key, str(withheld))  # withheld from the store by the test
+        client.delete_object(Bucket="cluster", Key=key)
+        cluster.drain(holder)  # the one node that has the image itself
+        drained.append(holder)
+        with pytest.raises(Exception) as ei:
+            Sandbox.connect(sbx.sandbox_id, timeout=600, **opts)
+        print("connect with the pause image withheld:", repr(ei.value)[:300])
+        rec = _record(cluster, sbx.sandbox_id)
+        failed_on = rec.node_id
+        assert failed_on != holder, "the resume was not a move"
+        assert (rec.state.value, rec.memory_digest) == ("paused", image), \
+            f"after the failed resume on {failed_on}: {rec.state.value} (the claim was not given back)"
+
+        client.upload_file(str(withheld), "cluster", key)
+        key = None
+        cluster.drain(failed_on)
+        drained.append(failed_on)
+        back = Sandbox.connect(sbx.sandbox_id, timeout=600, **opts)
+        assert back.files.read("/home/user/kept.txt") == "across a failed move"
+        node, state = bindings(cluster, {sbx.sandbox_id})[sbx.sandbox_id]
+        assert state == "running" and node not in (holder, failed_on), (node, state, holder, failed_on)
+    finally:
+        if key is not None and withheld.exists():
+            client.upload_file(str(withheld), "cluster", key)
+        for n in drained:
+            cluster.drain(n, False)
+        Sandbox.kill(sbx.sandbox_id, **opts)
 
 
 def _record(cluster, sandbox_id: str):
