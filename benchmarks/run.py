@@ -281,6 +281,17 @@ def lag_of(lag: dict[str, list], kind: str, sandbox_id: str, seconds: float | No
         lag[kind].append(seconds)
 
 
+def proxy_versions(haproxy_pid: int | None) -> dict[str, str]:
+    """What the proxy benchmark ran: the data plane's HAProxy (the running binary) and nginx."""
+    out = {}
+    if haproxy_pid is not None:
+        exe = os.readlink(f"/proc/{haproxy_pid}/exe")
+        out["haproxy"] = sh([exe, "-v"]).stdout.splitlines()[0].strip()
+    ngx = sh(["nginx", "-v"])
+    out["nginx"] = (ngx.stderr or ngx.stdout).strip()
+    return out
+
+
 def haproxy_pids(data_dir: Path) -> list[int]:
     """The HAProxy process serving the server on `data_dir` (none: the Python proxy serves)."""
     from agentenv.proxy.haproxy import processes_running
@@ -1240,7 +1251,8 @@ class Bench:
             if bare is not None:
                 targets.append(("haproxy-bare", f"http://127.0.0.1:{bare_port}/", route, [bare.pid]))
             out: dict = {"upstream": "python asyncio keep-alive server in the sandbox", "runs": {},
-                         "data_plane": "haproxy" if haproxy else "python", "rounds": 3}
+                         "data_plane": "haproxy" if haproxy else "python", "rounds": 3,
+                         "versions": proxy_versions(haproxy[0] if haproxy else None)}
             # The three targets take turns, three rounds each, and each figure is the median of its
             # rounds: on a shared machine a single run of each mostly measures who else was busy.
             for conns in (1, 32):
@@ -1694,6 +1706,8 @@ def report(res: dict) -> str:
               "| connections | path | requests/s | p50 | p99 | proxy CPU per request | non-2xx / socket errors |",
               "|---|---|---|---|---|---|---|"]
         plane = "HAProxy data plane" if px.get("data_plane") == "haproxy" else "Python proxy"
+        if px.get("versions"):
+            L += ["Versions: " + "; ".join(f"{k}: {v}" for k, v in px["versions"].items()), ""]
         labels = {"direct": "direct to the sandbox (slot address)", "agentenv": f"**agentenv** ({plane}, header routing)",
                   "nginx": "nginx reverse proxy (1 worker, upstream keep-alive)",
                   "haproxy-bare": "bare HAProxy (same binary, one fixed server, no rules)"}
