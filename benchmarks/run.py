@@ -132,6 +132,70 @@ http {{
 """
 
 
+# nginx routing at run time, as a data plane built on nginx would (Debian's libnginx-mod-http-lua):
+# the sandbox id header looks up the slot address in a shared dictionary of 10,000 routes, a Lua
+# balancer sends the request there, upstream connections are kept alive per address. No token
+# check, Host or /proxy/ routing: a lower bound of what an nginx data plane would cost.
+NGINX_LUA_MODULE = Path("/usr/lib/nginx/modules/ngx_http_lua_module.so")
+NGINX_LUA_CONF = """
+load_module /usr/lib/nginx/modules/ndk_http_module.so;
+load_module {module};
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fastcgi;
+  uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+  lua_shared_dict routes 16m;
+  upstream sandbox {{
+    server 0.0.0.1;
+    balancer_by_lua_block {{
+      local ok, err = require("ngx.balancer").set_current_peer(ngx.ctx.ip, ngx.ctx.port)
+      if not ok then ngx.log(ngx.ERR, err); return ngx.exit(502) end
+    }}
+    keepalive 64;
+  }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      access_by_lua_block {{
+        local sid = ngx.var.http_e2b_sandbox_id
+        local ip = sid and ngx.shared.routes:get(sid)
+        if not ip then return ngx.exit(502) end
+        ngx.ctx.ip = ip
+        ngx.ctx.port = tonumber(ngx.var.http_e2b_sandbox_port) or {envd_port}
+      }}
+      proxy_pass http://sandbox;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_set_header Host $host;
+      proxy_set_header X-Forwarded-For $remote_addr;
+      proxy_buffering off;
+      proxy_request_buffering off;
+    }}
+  }}
+  server {{
+    listen 127.0.0.1:{admin};
+    client_body_buffer_size 4m;
+    client_max_body_size 4m;
+    location = /routes {{
+      content_by_lua_block {{
+        ngx.req.read_body()
+        local n = 0
+        for k, v in string.gmatch(ngx.req.get_body_data() or "", "(%S+) (%S+)\\n") do
+          ngx.shared.routes:set(k, v)
+          n = n + 1
+        end
+        ngx.say(n)
+      }}
+    }}
+  }}
+}}
+"""
+
 # The same HAProxy binary as a bare reverse proxy to one fixed server (no routing, no header rules):
 # what HAProxy itself costs, apart from agentenv's configuration of it.
 BARE_HAPROXY_CONF = """
@@ -165,6 +229,34 @@ def wait_proxy(proc: subprocess.Popen, port: int, what: str) -> None:
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not start: {proc.stderr.read().decode()[-500:] if proc.stderr else ''}")
         time.sleep(0.1)
+
+
+def start_nginx_lua(root: Path, routes: dict[str, str], others: int) -> tuple[subprocess.Popen, int]:
+    """nginx routing by Lua (NGINX_LUA_CONF) on a free port, its dictionary loaded with `routes`
+    (sandbox id -> slot address) and `others` more routes to addresses nothing listens on."""
+    import requests
+
+    root.mkdir(parents=True)
+    port, admin = free_port(), free_port()
+    (root / "nginx.conf").write_text(NGINX_LUA_CONF.format(dir=root, module=NGINX_LUA_MODULE, port=port,
+                                                           admin=admin, envd_port=RAW_PORT))
+    proc = subprocess.Popen(["nginx", "-c", str(root / "nginx.conf"), "-p", str(root), "-e", str(root / "error.log")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    table = {**{f"i{i:019d}": f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}" for i in range(others)}, **routes}
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            r = requests.post(f"http://127.0.0.1:{admin}/routes", timeout=5,
+                              data="".join(f"{k} {v}\n" for k, v in table.items()))
+            if r.status_code == 200 and int(r.text) == len(table):
+                return proc, port
+            raise RuntimeError(f"nginx-lua took {r.text.strip()!r} of {len(table)} routes ({r.status_code})")
+        except requests.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"nginx with Lua did not start: {proc.stderr.read().decode()[-500:] if proc.stderr else ''}")
+            time.sleep(0.1)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -1203,7 +1295,7 @@ class Bench:
             raise RuntimeError("the proxy benchmark needs wrk and nginx: apt-get install wrk nginx-light")
         seconds = 5 if self.quick else 10
         sbx = self.create()
-        nginx = bare = None
+        nginx = bare = lua = None
         ngx_dir = BENCH_DIR / "nginx"
         try:
             sbx.files.write("/tmp/bench_app.py", PROXY_APP)
@@ -1233,6 +1325,9 @@ class Bench:
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      start_new_session=True)
             wait_proxy(nginx, ngx_port, "nginx")
+            lua = lua_port = None
+            if NGINX_LUA_MODULE.exists():
+                lua, lua_port = start_nginx_lua(ngx_dir / "lua", {sbx.sandbox_id: slot.host_ip}, 10_000)
             haproxy = haproxy_pids(self.srv.data_dir)
             if haproxy:
                 bare_port = free_port()
@@ -1250,6 +1345,8 @@ class Bench:
                        ("nginx", f"http://127.0.0.1:{ngx_port}/", route, [nginx.pid] + child_pids(nginx.pid))]
             if bare is not None:
                 targets.append(("haproxy-bare", f"http://127.0.0.1:{bare_port}/", route, [bare.pid]))
+            if lua is not None:
+                targets.append(("nginx-lua", f"http://127.0.0.1:{lua_port}/", route, [lua.pid] + child_pids(lua.pid)))
             out: dict = {"upstream": "python asyncio keep-alive server in the sandbox", "runs": {},
                          "data_plane": "haproxy" if haproxy else "python", "rounds": 3,
                          "versions": proxy_versions(haproxy[0] if haproxy else None)}
@@ -1283,7 +1380,7 @@ class Bench:
                 log(f"proxy: routes: {out['routes']}")
             self.results["proxy"] = out
         finally:
-            for proc in (nginx, bare):
+            for proc in (nginx, bare, lua):
                 if proc is None:
                     continue
                 proc.terminate()
@@ -1702,15 +1799,16 @@ def report(res: dict) -> str:
         L.append("")
     px = res.get("proxy")
     if px:
-        L += ["### 5. Data-plane proxy (wrk, GET of 23 bytes, keep-alive; medians of 3 interleaved rounds)", "",
-              "| connections | path | requests/s | p50 | p99 | proxy CPU per request | non-2xx / socket errors |",
-              "|---|---|---|---|---|---|---|"]
-        plane = "HAProxy data plane" if px.get("data_plane") == "haproxy" else "Python proxy"
+        L += ["### 5. Data-plane proxy (wrk, GET of 23 bytes, keep-alive; medians of 3 interleaved rounds)", ""]
         if px.get("versions"):
             L += ["Versions: " + "; ".join(f"{k}: {v}" for k, v in px["versions"].items()), ""]
+        L += ["| connections | path | requests/s | p50 | p99 | proxy CPU per request | non-2xx / socket errors |",
+              "|---|---|---|---|---|---|---|"]
+        plane = "HAProxy data plane" if px.get("data_plane") == "haproxy" else "Python proxy"
         labels = {"direct": "direct to the sandbox (slot address)", "agentenv": f"**agentenv** ({plane}, header routing)",
                   "nginx": "nginx reverse proxy (1 worker, upstream keep-alive)",
-                  "haproxy-bare": "bare HAProxy (same binary, one fixed server, no rules)"}
+                  "haproxy-bare": "bare HAProxy (same binary, one fixed server, no rules)",
+                  "nginx-lua": "nginx routing by Lua (shared dict of 10,000 routes, Lua balancer, keep-alive)"}
         for conns, runs in px["runs"].items():
             for name, r in runs.items():
                 cpu = r.get("proxy_cpu_ms_per_request")
@@ -1730,6 +1828,11 @@ def report(res: dict) -> str:
                          f"bare HAProxy {b['proxy_cpu_ms_per_request'] * 1000:.0f} µs, "
                          f"nginx {n['proxy_cpu_ms_per_request'] * 1000:.0f} µs; bare HAProxy = "
                          f"{b['rps'] / d['rps']:.2f}x direct, {b['rps'] / n['rps']:.2f}x nginx")
+            lu = runs.get("nginx-lua")
+            if a and lu and n and d and lu.get("proxy_cpu_ms_per_request"):
+                L.append(f"  - nginx routing by Lua: {lu['rps'] / d['rps']:.2f}x direct, {lu['rps'] / n['rps']:.2f}x "
+                         f"nginx, {lu['proxy_cpu_ms_per_request'] * 1000:.0f} µs CPU per request; agentenv = "
+                         f"{a['rps'] / lu['rps']:.2f}x it")
         rt = px.get("routes")
         if rt:
             su = rt["single_update"]
