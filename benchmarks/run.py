@@ -105,7 +105,7 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("0.0.0.0", 8000), H).serve_forever()
 """
 
-NGINX_CONF = """
+NGINX_CONF = """{preamble}
 worker_processes 1;
 daemon off;
 pid {dir}/nginx.pid;
@@ -115,10 +115,11 @@ http {{
   access_log off;
   client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fastcgi;
   uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
-  upstream sandbox {{ server {upstream}; keepalive 64; }}
+  upstream sandbox {{ {upstream} }}
   server {{
     listen 127.0.0.1:{port};
     location / {{
+      {access}
       proxy_pass http://sandbox;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
@@ -128,8 +129,17 @@ http {{
       proxy_request_buffering off;
     }}
   }}
+  {servers}
 }}
 """
+
+
+def nginx_conf(root: Path, port: int, upstream: str, *, preamble: str = "", access: str = "",
+               servers: str = "") -> str:
+    """The benchmark's nginx reverse proxy (one worker, upstream keep-alive, no buffering) on
+    127.0.0.1:`port`; `upstream`: the body of its `upstream sandbox` block."""
+    return NGINX_CONF.format(dir=root, port=port, upstream=upstream, preamble=preamble, access=access,
+                             servers=servers)
 
 
 # nginx routing at run time, as a data plane built on nginx would (Debian's libnginx-mod-http-lua):
@@ -137,52 +147,27 @@ http {{
 # balancer sends the request there, upstream connections are kept alive per address. No token
 # check, Host or /proxy/ routing: a lower bound of what an nginx data plane would cost.
 NGINX_LUA_MODULE = Path("/usr/lib/nginx/modules/ngx_http_lua_module.so")
-NGINX_LUA_CONF = """
-load_module /usr/lib/nginx/modules/ndk_http_module.so;
-load_module {module};
-worker_processes 1;
-daemon off;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy; fastcgi_temp_path {dir}/fastcgi;
-  uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
-  lua_shared_dict routes 16m;
-  upstream sandbox {{
-    server 0.0.0.1;
-    balancer_by_lua_block {{
+NGINX_LUA_UPSTREAM = """server 0.0.0.1;
+    balancer_by_lua_block {
       local ok, err = require("ngx.balancer").set_current_peer(ngx.ctx.ip, ngx.ctx.port)
       if not ok then ngx.log(ngx.ERR, err); return ngx.exit(502) end
-    }}
-    keepalive 64;
-  }}
-  server {{
-    listen 127.0.0.1:{port};
-    location / {{
-      access_by_lua_block {{
+    }
+    keepalive 64;"""
+NGINX_LUA_ACCESS = """access_by_lua_block {
         local sid = ngx.var.http_e2b_sandbox_id
         local ip = sid and ngx.shared.routes:get(sid)
         if not ip then return ngx.exit(502) end
         ngx.ctx.ip = ip
-        ngx.ctx.port = tonumber(ngx.var.http_e2b_sandbox_port) or {envd_port}
-      }}
-      proxy_pass http://sandbox;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_set_header Host $host;
-      proxy_set_header X-Forwarded-For $remote_addr;
-      proxy_buffering off;
-      proxy_request_buffering off;
-    }}
-  }}
-  server {{
-    listen 127.0.0.1:{admin};
+        ngx.ctx.port = tonumber(ngx.var.http_e2b_sandbox_port) or ENVD_PORT
+      }"""
+# the route table, loaded by POST /routes ("<sandbox id> <address>" lines) on the admin port
+NGINX_LUA_ADMIN = """lua_shared_dict routes 16m;
+  server {
+    listen 127.0.0.1:ADMIN_PORT;
     client_body_buffer_size 4m;
     client_max_body_size 4m;
-    location = /routes {{
-      content_by_lua_block {{
+    location = /routes {
+      content_by_lua_block {
         ngx.req.read_body()
         local n = 0
         for k, v in string.gmatch(ngx.req.get_body_data() or "", "(%S+) (%S+)\\n") do
@@ -190,11 +175,9 @@ http {{
           n = n + 1
         end
         ngx.say(n)
-      }}
-    }}
-  }}
-}}
-"""
+      }
+    }
+  }"""
 
 # The same HAProxy binary as a bare reverse proxy to one fixed server (no routing, no header rules):
 # what HAProxy itself costs, apart from agentenv's configuration of it.
@@ -232,14 +215,16 @@ def wait_proxy(proc: subprocess.Popen, port: int, what: str) -> None:
 
 
 def start_nginx_lua(root: Path, routes: dict[str, str], others: int) -> tuple[subprocess.Popen, int]:
-    """nginx routing by Lua (NGINX_LUA_CONF) on a free port, its dictionary loaded with `routes`
+    """nginx routing by Lua (NGINX_LUA_*) on a free port, its dictionary loaded with `routes`
     (sandbox id -> slot address) and `others` more routes to addresses nothing listens on."""
     import requests
 
     root.mkdir(parents=True)
     port, admin = free_port(), free_port()
-    (root / "nginx.conf").write_text(NGINX_LUA_CONF.format(dir=root, module=NGINX_LUA_MODULE, port=port,
-                                                           admin=admin, envd_port=RAW_PORT))
+    (root / "nginx.conf").write_text(nginx_conf(
+        root, port, NGINX_LUA_UPSTREAM, access=NGINX_LUA_ACCESS.replace("ENVD_PORT", str(RAW_PORT)),
+        servers=NGINX_LUA_ADMIN.replace("ADMIN_PORT", str(admin)),
+        preamble=f"load_module /usr/lib/nginx/modules/ndk_http_module.so;\nload_module {NGINX_LUA_MODULE};"))
     proc = subprocess.Popen(["nginx", "-c", str(root / "nginx.conf"), "-p", str(root), "-e", str(root / "error.log")],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -1319,7 +1304,7 @@ class Bench:
             shutil.rmtree(ngx_dir, ignore_errors=True)
             ngx_dir.mkdir(parents=True)
             ngx_port = free_port()
-            (ngx_dir / "nginx.conf").write_text(NGINX_CONF.format(dir=ngx_dir, upstream=upstream, port=ngx_port))
+            (ngx_dir / "nginx.conf").write_text(nginx_conf(ngx_dir, ngx_port, f"server {upstream}; keepalive 64;"))
             nginx = subprocess.Popen(["nginx", "-c", str(ngx_dir / "nginx.conf"), "-p", str(ngx_dir),
                                       "-e", str(ngx_dir / "error.log")],
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
