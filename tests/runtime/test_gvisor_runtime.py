@@ -403,8 +403,10 @@ async def test_host_processes_run_first_when_sandboxes_saturate_the_cpu(kit: San
     share = await asyncio.to_thread(_host_spin_share, 3.0)
     report(f"a busy host process got {share:.2f} of a core while {procs} sandbox processes spun "
            f"({os.cpu_count()} cores)")
-    # With the kernel's default weight it got 0.51 of a core here (2 cores); weight 5: 0.96.
-    assert share >= 0.85, share
+    # With the kernel's default weight it got 0.51 of a core here (2 cores); weight 5: 0.96, and
+    # 0.85 in a CI run on a busy machine (the host process also shares the cores with other host
+    # processes). 0.75 keeps well clear of both.
+    assert share >= 0.75, share
     await kit.destroy(box)
     await assert_gone(kit, box)
 
