@@ -214,6 +214,13 @@ def wait_proxy(proc: subprocess.Popen, port: int, what: str) -> None:
         time.sleep(0.1)
 
 
+def spawn_nginx(root: Path) -> subprocess.Popen:
+    """nginx on `root`/nginx.conf, in the foreground of its own session (stderr kept for errors)."""
+    return subprocess.Popen(["nginx", "-c", str(root / "nginx.conf"), "-p", str(root), "-e", str(root / "error.log")],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
 def start_nginx_lua(root: Path, routes: dict[str, str], others: int) -> tuple[subprocess.Popen, int]:
     """nginx routing by Lua (NGINX_LUA_*) on a free port, its dictionary loaded with `routes`
     (sandbox id -> slot address) and `others` more routes to addresses nothing listens on."""
@@ -224,10 +231,8 @@ def start_nginx_lua(root: Path, routes: dict[str, str], others: int) -> tuple[su
     (root / "nginx.conf").write_text(nginx_conf(
         root, port, NGINX_LUA_UPSTREAM, access=NGINX_LUA_ACCESS.replace("ENVD_PORT", str(RAW_PORT)),
         servers=NGINX_LUA_ADMIN.replace("ADMIN_PORT", str(admin)),
-        preamble=f"load_module /usr/lib/nginx/modules/ndk_http_module.so;\nload_module {NGINX_LUA_MODULE};"))
-    proc = subprocess.Popen(["nginx", "-c", str(root / "nginx.conf"), "-p", str(root), "-e", str(root / "error.log")],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True)
+        preamble=f"load_module {NGINX_LUA_MODULE.parent / 'ndk_http_module.so'};\nload_module {NGINX_LUA_MODULE};"))
+    proc = spawn_nginx(root)
     table = {**{f"i{i:019d}": f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}" for i in range(others)}, **routes}
     deadline = time.monotonic() + 20
     while True:
@@ -1305,10 +1310,7 @@ class Bench:
             ngx_dir.mkdir(parents=True)
             ngx_port = free_port()
             (ngx_dir / "nginx.conf").write_text(nginx_conf(ngx_dir, ngx_port, f"server {upstream}; keepalive 64;"))
-            nginx = subprocess.Popen(["nginx", "-c", str(ngx_dir / "nginx.conf"), "-p", str(ngx_dir),
-                                      "-e", str(ngx_dir / "error.log")],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+            nginx = spawn_nginx(ngx_dir)
             wait_proxy(nginx, ngx_port, "nginx")
             lua = lua_port = None
             if NGINX_LUA_MODULE.exists():
