@@ -77,6 +77,10 @@ class Settings(BaseSettings):
     # gVisor checkpoint image compression: "none" (measured faster to write and to restore; see
     # docs/benchmarks.md) or "flate-best-speed" (smaller images to upload).
     runsc_compression: str = Field(default="none", pattern=r"^(none|flate-best-speed)$")
+    # How a gVisor checkpoint is asked for: "socket" (the call runsc makes, sent to the sandbox's
+    # control socket by agentenv: no runsc start while the sandbox is frozen) or "runsc" (the
+    # `runsc checkpoint` command; also what "socket" falls back to when the socket cannot be asked).
+    runsc_checkpoint_via: str = Field(default="socket", pattern=r"^(socket|runsc)$")
     # QEMU runtime: binary, machine type (microvm, or q35 where microvm misbehaves) and accelerator
     # ("auto" = KVM on hardware virtualization, TCG otherwise; never PVM, which cannot run the guest).
     qemu_path: str = "qemu-system-x86_64"

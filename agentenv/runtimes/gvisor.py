@@ -8,12 +8,13 @@ epoll servers, `checkpoint --leave-running`, `--net-disconnect-ok`. What this mo
   in a throw-away private mount namespace where a tiny tmpfs, mounted from *inside* the target
   netns, hides /proc/sys/net/core.
 - A capture never loses the sandbox: it is frozen (what `runsc pause` does, through the sandbox's
-  control socket: `gvisor_control`), checkpointed with
-  `--leave-running` (a refused or failed checkpoint leaves it alive: it is resumed and the caller
-  gets `CaptureRefused`) and only stopped once the image is complete. `--net-disconnect-ok` lets
-  the checkpoint reset TCP connections instead of refusing; since an event-loop server whose
-  connection is reset *during* the save can come back deaf after a restore, connections are reset
-  first, by a throw-away checkpoint while the sandbox runs, when the caller says there are any.
+  control socket: `gvisor_control`), checkpointed with `--leave-running` (the call `runsc
+  checkpoint` makes, through the same socket; a refused or failed checkpoint leaves it alive: it
+  is resumed and the caller gets `CaptureRefused`) and only stopped once the image is complete.
+  `--net-disconnect-ok` lets the checkpoint reset TCP connections instead of refusing; since an
+  event-loop server whose connection is reset *during* the save can come back deaf after a
+  restore, connections are reset first, by a throw-away checkpoint while the sandbox runs, when
+  the caller says there are any.
 - run/restore leave children holding the CLI's stdio: output goes to a file, never a pipe.
 - A failed create leaves cgroup directories behind: stop() removes them.
 - runsc saves a container's state file non-atomically; a runsc command killed while saving it
@@ -53,7 +54,7 @@ from agentenv.runtimes.base import RuntimeTraits, SandboxSpec
 from agentenv.runtimes import cgroups
 from agentenv.runtimes.cgroups import CGROUP_FS, weigh_sandboxes_cpu
 from agentenv.runtimes._reaper import ORPHAN_COMM, reap_killed
-from agentenv.runtimes.gvisor_control import Freezer
+from agentenv.runtimes import gvisor_control
 from agentenv.runtimes.gvisor_platform import MIN_RELEASE, PlatformChoice, choose_platform, default_cache_dir
 from agentenv.runtimes.gvisor_state import StateFiles, unreadable_state_file
 
@@ -214,7 +215,7 @@ class GVisorRuntime:
         # netns and console log, and asking `runsc state` costs a runsc start (~20 ms) each time.
         self._bundles: dict[str, Path] = {}
         self._states = StateFiles(self.root)
-        self._freezer = Freezer(self._states)
+        self._control = gvisor_control.Control(self._states)
 
     # ---------------------------------------------------------------- plumbing
 
@@ -295,7 +296,7 @@ class GVisorRuntime:
         (`gvisor_state`). None when the socket did it."""
         if self.modern:
             t0 = time.monotonic()
-            freezer = self._freezer.freeze if command == "pause" else self._freezer.thaw
+            freezer = self._control.freeze if command == "pause" else self._control.thaw
             if await asyncio.to_thread(freezer, sandbox_id):
                 log.debug("%s of %s through its control socket took %.4fs", command, sandbox_id,
                           time.monotonic() - t0)
@@ -446,38 +447,62 @@ class GVisorRuntime:
         """Freeze the sandbox and write its memory image with `--leave-running`: on success it is left
         frozen (the image and its disk describe the same instant); a failure thaws it and raises
         `CaptureRefused` (or RuntimeFailure if it died)."""
-        compression = f"--compression={self.settings.runsc_compression}"
         if reset_connections:
             # A throw-away checkpoint while the sandbox runs: --net-disconnect-ok resets every TCP
             # endpoint, and the programs that held them see ECONNRESET/ECONNABORTED and carry on.
             scratch = image_dir.with_name(image_dir.name + ".reset")
             shutil.rmtree(scratch, ignore_errors=True)
             scratch.mkdir(parents=True)
-            self._states.expect(sandbox_id)  # a checkpoint that leaves it running saves it as it was
             try:
-                res = await self._runsc("checkpoint", "--leave-running", f"--image-path={scratch}", compression,
-                                        sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
-                                        output_file=log_file, check=False)
+                failed = await self._checkpoint_leaving_running(sandbox_id, scratch, netns_path, log_file)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
-            if res.returncode != 0:
-                await self._refused(sandbox_id, log_file, "resetting its connections", frozen=False)
+            if failed is not None:
+                await self._refused(sandbox_id, failed, "resetting its connections", frozen=False)
             await asyncio.sleep(RESET_SETTLE_S)
         self._frozen_at[sandbox_id] = time.monotonic()
         await self._set_status("pause", sandbox_id)  # kept "paused": also what the checkpoint saves
-        res = await self._runsc("checkpoint", "--leave-running", f"--image-path={image_dir}", compression,
-                                sandbox_id, timeout=CHECKPOINT_TIMEOUT, netns_path=netns_path,
-                                output_file=log_file, check=False)
-        if res.returncode != 0:
-            await self._refused(sandbox_id, log_file, "writing its memory image", frozen=True, image_dir=image_dir)
+        failed = await self._checkpoint_leaving_running(sandbox_id, image_dir, netns_path, log_file)
+        if failed is not None:
+            await self._refused(sandbox_id, failed, "writing its memory image", frozen=True, image_dir=image_dir)
         (image_dir / IMAGE_INFO).write_text(json.dumps({
             "runsc_release": self.platform_choice.runsc_version if self.platform_choice else "",
             "platform": self.platform}))
 
-    async def _refused(self, sandbox_id: str, log_file: Path | None, step: str, *, frozen: bool,
+    async def _checkpoint_leaving_running(self, sandbox_id: str, image_dir: Path, netns_path: str,
+                                          log_file: Path | None) -> str | None:
+        """`runsc checkpoint --leave-running` into `image_dir`, through the sandbox's control socket
+        where it can be (`gvisor_control`; `runsc_checkpoint_via`), else by runsc. None when the image
+        is written; else what runsc or the Sentry said (for `_checkpoint_error`)."""
+        compression = self.settings.runsc_compression
+        if self.settings.runsc_checkpoint_via == "socket":
+            t0 = time.monotonic()
+            try:
+                if await asyncio.to_thread(self._control.checkpoint, sandbox_id, image_dir, compression,
+                                           CHECKPOINT_TIMEOUT):
+                    log.debug("checkpoint of %s through its control socket took %.3fs", sandbox_id,
+                              time.monotonic() - t0)
+                    return None
+            except (gvisor_control.Failed, RuntimeFailure) as e:
+                why = str(e.message if isinstance(e, RuntimeFailure) else e)
+                if log_file is not None:  # where runsc's own words would be (`agentenv logs`, support)
+                    with open(log_file, "a") as f:
+                        f.write(f"--- runsc checkpoint through the control socket at "
+                                f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\ncheckpoint failed: {why}\n")
+                return why
+        self._states.expect(sandbox_id)  # a checkpoint that leaves it running saves it as it was
+        res = await self._runsc("checkpoint", "--leave-running", f"--image-path={image_dir}",
+                                f"--compression={compression}", sandbox_id, timeout=CHECKPOINT_TIMEOUT,
+                                netns_path=netns_path, output_file=log_file, check=False)
+        if res.returncode == 0:
+            return None
+        return _tail(log_file, 20000) if log_file else (res.stderr or res.stdout)
+
+    async def _refused(self, sandbox_id: str, failed: str, step: str, *, frozen: bool,
                        image_dir: Path | None = None) -> None:
-        """A checkpoint failed: thaw the sandbox and raise CaptureRefused, or RuntimeFailure if it died."""
-        why = _checkpoint_error(_tail(log_file, 20000) if log_file else "")
+        """A checkpoint failed (`failed`: what runsc said): thaw the sandbox and raise CaptureRefused,
+        or RuntimeFailure if it died."""
+        why = _checkpoint_error(failed)
         full = _disk_full(image_dir) if image_dir is not None else None
         if full:  # runsc 20240729 reports a write failing with ENOSPC as a nil-pointer panic
             why = f"{full} ({why[:200]})"

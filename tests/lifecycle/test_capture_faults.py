@@ -2,7 +2,8 @@
 
 Faults injected, each against a real `agentenv serve`:
 - runsc refuses the checkpoint (a wrapper around the real runsc, `AGENTENV_RUNSC_PATH`, answers
-  `checkpoint` with an error while a trigger file exists);
+  `checkpoint` with an error while a trigger file exists; this server checkpoints through runsc's
+  command, `runsc_checkpoint_via=runsc`, instead of the sandbox's control socket);
 - runsc is SIGKILLed 50 ms into its checkpoint (same wrapper, another trigger file);
 - runsc refuses the restore of a paused sandbox (same wrapper): the resume had already claimed the
   sandbox in the state store (RESUMING), and must give the claim back;
@@ -153,7 +154,9 @@ def faulty(server) -> Iterator[Faulty]:
     launcher.write_text(PUBLISHING_AGENTENV.format(python=sys.executable))
     launcher.chmod(0o755)
     s3 = start_s3(tmp / "s3root")
-    env = dict(AGENTENV_RUNSC_PATH=str(wrapper), AGENTENV_WARM_START="false",
+    # Its checkpoints go through runsc's command (where the wrapper injects the faults), not the
+    # control socket (`runsc_checkpoint_via`; that path's refusals: tests/runtime, test_e2e_tmp_dir).
+    env = dict(AGENTENV_RUNSC_PATH=str(wrapper), AGENTENV_RUNSC_CHECKPOINT_VIA="runsc", AGENTENV_WARM_START="false",
                AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET="faults", AGENTENV_S3_PREFIX="agentenv/",
                AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
                AGENTENV_S3_SECRET_KEY=s3.secret_key)
@@ -494,8 +497,8 @@ def test_server_killed_mid_fork_keeps_source(server, when):
     journal names the image), `sealed` once the image is sealed and the source is being restored
     from it (these three on the capture that stops the source: AGENTENV_CAPTURE_RUNNING=false);
     on the capture that leaves the source running: `frozen-running` once its freeze (through the
-    control socket, `gvisor_control`) saved it as paused, `checkpointing-running` during its
-    `runsc checkpoint --leave-running`, `sealing-running` once
+    control socket, `gvisor_control`) saved it as paused, `checkpointing-running` while the Sentry
+    writes its image (`--leave-running`, asked through the same socket), `sealing-running` once
     it is thawed and its capture is sealed or its children restore from its image (CI's kills landed around the first, 0.04 s in, while the
     last one's landing test did not look at the image; a runsc killed saving its state file lost
     the source: test_restart_after_runsc_was_killed_saving_the_state). After a
@@ -538,8 +541,10 @@ def test_server_killed_mid_fork_keeps_source(server, when):
                 landed = "image sealed, source being restored (journal names the memory image)"
             elif when == "frozen-running" and _runsc_status(d, sid) == "paused":
                 landed = "source frozen for its image"
-            elif when == "checkpointing-running" and _runsc_running(sid, "checkpoint"):
-                landed = "`runsc checkpoint --leave-running` of the source under way"
+            elif when == "checkpointing-running" and (_runsc_running(sid, "checkpoint") or (
+                    _image_written(sdir / "capture") and not (sdir / "capture-upper").exists()
+                    and _runsc_status(d, sid) == "paused")):
+                landed = "the checkpoint of the source (leaving it running) under way"
             elif when == "sealing-running" \
                     and any(_image_written(p) for p in [sdir / "capture", *kept_images()]) \
                     and not (sdir / "capture-upper").exists() and not _runsc_running(sid, "checkpoint") \

@@ -220,6 +220,56 @@ async def test_checkpoint_restore_same_id_same_slot(kit: SandboxKit):
     assert http_get(box.slot.host_ip, "/count")["count"] == 2
 
 
+
+async def test_checkpoint_through_the_control_socket_and_its_refusal_on_a_full_disk(kit: SandboxKit):
+    """A checkpoint that leaves the sandbox running is asked of the Sentry over its control socket
+    (`gvisor_control.Control.checkpoint`: no runsc start while it is frozen). A refusal there (a real
+    ENOSPC: a 1 MiB tmpfs as the image dir) thaws it and says why; with room the image is written,
+    the sandbox runs on, and the image restores into a new slot."""
+    from agentenv.errors import CaptureRefused
+    box, _ = await kit.start()
+    sid = box.sandbox_id
+    assert kit.rt.settings.runsc_checkpoint_via == "socket"
+    assert http_get(box.slot.host_ip, "/count")["count"] == 1
+    await asyncio.sleep(0.3)  # the closed connections' last ACKs land: no endpoint may remain
+    console = box.spec.bundle_dir / "console.log"
+    frozen_calls: list[str] = []
+
+    async def while_frozen() -> None:
+        frozen_calls.append(await kit.rt.state(sid))
+
+    full = box.dir / "full"
+    full.mkdir()
+    run("mount", "-t", "tmpfs", "-o", "size=1m", "agentenv-test-full", str(full))
+    try:
+        with pytest.raises(CaptureRefused) as refused:
+            await kit.rt.checkpoint_running(sid, full, while_frozen=while_frozen)
+        assert "no space left on device" in refused.value.message.lower(), refused.value.message
+        assert frozen_calls == [], "the disk was copied although the image failed"
+        assert await kit.rt.state(sid) == "running"
+        assert http_get(box.slot.host_ip, "/count")["count"] == 2
+        assert "through the control socket" in console.read_text(errors="replace")
+    finally:
+        run("umount", str(full))
+
+    image = box.dir / "image"
+    await asyncio.sleep(0.3)
+    frozen_s = await kit.rt.checkpoint_running(sid, image, while_frozen=while_frozen)
+    assert frozen_calls == ["paused"], frozen_calls  # the disk is copied while it is frozen
+    assert (image / "checkpoint.img").stat().st_size > 0 and (image / "pages.img").stat().st_size > 0
+    assert "--- runsc checkpoint --leave-running" not in console.read_text(errors="replace"), \
+        "the checkpoint ran a runsc command"
+    report(f"checkpoint through the control socket: frozen {frozen_s * 1e3:.0f} ms")
+    assert await kit.rt.state(sid) == "running"
+    assert http_get(box.slot.host_ip, "/count")["count"] == 3
+    await asyncio.sleep(0.3)
+    child = await kit.prepare(upper_from=box.upper)
+    await kit.rt.restore(child.spec, image)
+    await kit.net.activate(child.slot)
+    wait_http(child.slot.host_ip)
+    assert http_get(child.slot.host_ip, "/count")["count"] == 3  # the counter as it was at the image
+    assert http_get(box.slot.host_ip, "/count")["count"] == 4  # and the source runs on its own
+
 def _neighbours(netns: str | None, dev: str) -> str:
     argv = ["ip"] + (["-n", netns] if netns else []) + ["neigh", "show", "dev", dev]
     return run(*argv).stdout
