@@ -29,6 +29,7 @@ the runsc command instead.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -57,48 +58,109 @@ class Failed(Exception):
     """The control server ran the call, and it failed (its error is the message)."""
 
 
-def call(path: Path, sandbox_id: str, method: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S,
-         fds: list[int] | None = None) -> Any:
+def call(path: Path, sandbox_id: str, method: str, arg: Any = None, timeout: float = CALL_TIMEOUT_S) -> Any:
     """One urpc call to the sandbox's control server at `path` (`StateFiles.control_socket`); its
-    result. `fds` go with the call (urpc's FilePayload). `NotAsked` when the call did not run;
-    `Failed` when it ran and failed, for a call that says so (`fds`: it was handed files);
-    RuntimeFailure when it was sent and no answer came (the sandbox died, or it took too long)."""
+    result. `NotAsked` when the call did not run; RuntimeFailure when it was sent and no answer came
+    (the sandbox died, or it took too long)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
+    what = f"{method} of sandbox {sandbox_id}"
     try:
         try:
             sock.connect(str(path))
         except OSError as e:  # missing, refused, or a path longer than sun_path
             raise NotAsked(f"{path}: {e}") from None
-        data = json.dumps({"method": method, "arg": arg}).encode()
-        sent = socket.send_fds(sock, [data], fds) if fds else 0  # the files ride on the first bytes
-        sock.sendall(data[sent:])
-        reply = _read_reply(sock, f"{method} of sandbox {sandbox_id}")
+        sock.sendall(_request(method, arg))
+        reply = _Reply(what)
+        while not reply.feed(_recv(sock, what)):
+            pass
     finally:
         sock.close()
-    if not isinstance(reply, dict) or not reply.get("success"):
-        err = reply.get("err") if isinstance(reply, dict) else reply
-        if fds and err != _UNKNOWN_METHOD:
-            raise Failed(str(err))
-        raise NotAsked(f"{method} of sandbox {sandbox_id} refused: {err}")
-    return reply.get("result")
+    return reply.result(fds=False)
 
 
-def _read_reply(sock: socket.socket, what: str) -> Any:
-    decoder, buf = json.JSONDecoder(), b""
-    while True:
+async def call_async(path: Path, sandbox_id: str, method: str, arg: Any, *, timeout: float, fds: list[int]) -> Any:
+    """`call` with `fds` handed over with it (urpc's FilePayload, SCM_RIGHTS), waiting for the answer
+    on the event loop (a checkpoint takes as long as its image: no thread is held). `Failed` when
+    the call ran and failed."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.setblocking(False)
+    what = f"{method} of sandbox {sandbox_id}"
+    try:
         try:
-            chunk = sock.recv(65536)
-        except OSError as e:  # a timeout included
-            raise RuntimeFailure(f"no answer to {what}: {e}") from None
-        if not chunk:
-            raise RuntimeFailure(f"no answer to {what}: the sandbox closed its control socket")
-        buf += chunk
+            await loop.sock_connect(sock, str(path))
+            data = _request(method, arg)
+            sent = socket.send_fds(sock, [data], fds)  # the files ride on the first bytes
+        except OSError as e:  # missing, refused, a path longer than sun_path; nothing was sent
+            raise NotAsked(f"{path}: {e}") from None
+        if sent < len(data):
+            await loop.sock_sendall(sock, data[sent:])
+        reply = _Reply(what)
+
+        async def answer() -> None:
+            while True:
+                try:
+                    chunk = await loop.sock_recv(sock, 65536)
+                except OSError as e:
+                    raise RuntimeFailure(f"no answer to {what}: {e}") from None
+                if reply.feed(_checked(chunk, what)):
+                    return
+
         try:
-            return decoder.raw_decode(buf.decode())[0]
+            await asyncio.wait_for(answer(), timeout)
+        except asyncio.TimeoutError:
+            raise RuntimeFailure(f"no answer to {what} within {timeout:.0f}s") from None
+    finally:
+        sock.close()
+    return reply.result(fds=True)
+
+
+def _request(method: str, arg: Any) -> bytes:
+    return json.dumps({"method": method, "arg": arg}).encode()
+
+
+def _recv(sock: socket.socket, what: str) -> bytes:
+    try:
+        chunk = sock.recv(65536)
+    except OSError as e:  # a timeout included
+        raise RuntimeFailure(f"no answer to {what}: {e}") from None
+    return _checked(chunk, what)
+
+
+def _checked(chunk: bytes, what: str) -> bytes:
+    if not chunk:
+        raise RuntimeFailure(f"no answer to {what}: the sandbox closed its control socket")
+    return chunk
+
+
+class _Reply:
+    """urpc's answer, one JSON object `{"success", "err", "result"}`, as its bytes come in."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.buf, self.value = what, b"", None
+
+    def feed(self, chunk: bytes) -> bool:
+        """True once the whole answer is in."""
+        self.buf += chunk
+        try:
+            self.value = json.JSONDecoder().raw_decode(self.buf.decode())[0]
+            return True
         except ValueError:
-            if len(buf) > _MAX_REPLY:
-                raise RuntimeFailure(f"no readable answer to {what}") from None
+            if len(self.buf) > _MAX_REPLY:
+                raise RuntimeFailure(f"no readable answer to {self.what}") from None
+            return False
+
+    def result(self, *, fds: bool) -> Any:
+        """The call's result. A failure is `NotAsked` for a method this runsc lacks (and for any
+        failure of a call without files: freeze and thaw refuse before doing anything), else `Failed`."""
+        reply = self.value
+        if not isinstance(reply, dict) or not reply.get("success"):
+            err = reply.get("err") if isinstance(reply, dict) else reply
+            if fds and err != _UNKNOWN_METHOD:
+                raise Failed(str(err))
+            raise NotAsked(f"{self.what} refused: {err}")
+        return reply.get("result")
 
 
 class Control:
@@ -136,22 +198,21 @@ class Control:
                 return False
         return True
 
-    def checkpoint(self, sandbox_id: str, image_dir: Path, compression: str, timeout: float) -> bool:
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, compression: str, timeout: float) -> bool:
         """Write the memory image of a running or frozen sandbox into `image_dir` and leave it as it
         was, as `runsc checkpoint --leave-running --compression=<compression>` does; False when
         nothing was asked (the caller runs that command). `Failed` says why the Sentry refused (it
         runs on; a frozen one stays frozen), RuntimeFailure that no answer came."""
-        with self.states.held(sandbox_id) as state:  # what runsc's CLI checks first
-            if state is None or state.get("status") not in ("running", "paused"):
-                return False
+        if not await asyncio.to_thread(self._status_in, sandbox_id, ("running", "paused")):
+            return False  # what runsc's CLI checks first
         names = [STATE_FILE] + ([PAGES_META_FILE, PAGES_FILE] if compression == "none" else [])
         files = [open(image_dir / name, "xb") for name in names]
         try:
-            call(self.states.control_socket(sandbox_id), sandbox_id, "containerManager.Checkpoint",
-                 {"key": None, "metadata": {"compression": compression},
-                  "MemoryFileSaveOpts": {"ExcludeCommittedZeroPages": False},
-                  "have_pages_file": len(files) > 1, "Resume": True},
-                 timeout=timeout, fds=[f.fileno() for f in files])
+            await call_async(self.states.control_socket(sandbox_id), sandbox_id, "containerManager.Checkpoint",
+                             {"key": None, "metadata": {"compression": compression},
+                              "MemoryFileSaveOpts": {"ExcludeCommittedZeroPages": False},
+                              "have_pages_file": len(files) > 1, "Resume": True},
+                             timeout=timeout, fds=[f.fileno() for f in files])
         except NotAsked as e:
             log.debug("checkpoint of %s through runsc: %s", sandbox_id, e)
             for name in names:
@@ -161,3 +222,7 @@ class Control:
             for f in files:
                 f.close()
         return True
+
+    def _status_in(self, sandbox_id: str, statuses: tuple[str, ...]) -> bool:
+        with self.states.held(sandbox_id) as state:
+            return state is not None and state.get("status") in statuses

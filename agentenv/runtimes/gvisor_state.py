@@ -116,6 +116,25 @@ class StateFiles:
         """The container is gone: its expected state too."""
         self._expected(container_id).unlink(missing_ok=True)
 
+    def delete_stopped(self, container_id: str) -> bool:
+        """What `runsc delete` does for a container whose sandbox and gofer processes are gone
+        (SIGKILLed and reaped by the caller): remove its state, lock and control socket, under
+        runsc's lock. True if done; False (nothing done: the caller runs `runsc delete`) when its
+        state is unreadable, one of its processes still exists, or its spec has hooks to run."""
+        with self.held(container_id) as state:
+            if state is None:
+                return False
+            sandbox = state.get("sandbox") or {}
+            pids = [pid for pid in (state.get("goferPid"), sandbox.get("pid")) if isinstance(pid, int) and pid > 0]
+            if not pids or any(_exists(pid) for pid in pids) or (state.get("spec") or {}).get("hooks"):
+                return False
+            path = self._state_file(container_id)
+            sock = sandbox.get("controlSocketPath") or str(self.control_socket(container_id))
+            for leftover in (Path(sock), path, path.with_suffix(".lock")):
+                leftover.unlink(missing_ok=True)
+        self.forget(container_id)
+        return True
+
     def remove(self, container_id: str) -> bool:
         """Delete what runsc keeps of a container whose state file is unreadable (its processes
         must be gone already): state, lock and control socket. True if there was such a file."""
@@ -128,6 +147,17 @@ class StateFiles:
         self.forget(container_id)
         log.warning("removed runsc's unreadable state of %s", container_id)
         return True
+
+
+def _exists(pid: int) -> bool:
+    """`pid` is a process (a zombie included) of this host's pid namespace."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _read(path: Path | None, default: dict | None = None) -> dict | None:
