@@ -34,14 +34,21 @@ class CmdResult:
     duration: float
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie."""
+def pid_exists(pid: int) -> bool:
+    """Whether process `pid` exists in this pid namespace, a zombie (not yet reaped) included."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    if not pid_exists(pid):
+        return False
     try:  # a zombie is not alive
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from agentenv.proc import pid_exists
+
 log = logging.getLogger(__name__)
 
 EXPECTED_DIR = "agentenv-expected"  # in runsc's root; runsc only looks at `*.state` files there
@@ -126,7 +128,7 @@ class StateFiles:
                 return False
             sandbox = state.get("sandbox") or {}
             pids = [pid for pid in (state.get("goferPid"), sandbox.get("pid")) if isinstance(pid, int) and pid > 0]
-            if not pids or any(_exists(pid) for pid in pids) or (state.get("spec") or {}).get("hooks"):
+            if not pids or any(pid_exists(pid) for pid in pids) or (state.get("spec") or {}).get("hooks"):
                 return False
             path = self._state_file(container_id)
             sock = sandbox.get("controlSocketPath") or str(self.control_socket(container_id))
@@ -147,17 +149,6 @@ class StateFiles:
         self.forget(container_id)
         log.warning("removed runsc's unreadable state of %s", container_id)
         return True
-
-
-def _exists(pid: int) -> bool:
-    """`pid` is a process (a zombie included) of this host's pid namespace."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _read(path: Path | None, default: dict | None = None) -> dict | None:
