@@ -482,7 +482,7 @@ class GVisorRuntime:
                     log.debug("checkpoint of %s through its control socket took %.3fs", sandbox_id,
                               time.monotonic() - t0)
                     return None
-            except (gvisor_control.Failed, RuntimeFailure) as e:
+            except (gvisor_control.Failed, RuntimeFailure, OSError) as e:  # OSError: creating its files
                 why = str(e.message if isinstance(e, RuntimeFailure) else e)
                 if log_file is not None:  # where runsc's own words would be (`agentenv logs`, support)
                     with open(log_file, "a") as f:

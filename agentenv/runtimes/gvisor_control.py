@@ -164,8 +164,8 @@ class _Reply:
 
 
 class Control:
-    """`freeze`, `thaw` and `checkpoint` of the containers under one runsc root (its `StateFiles`)
-    (blocking: run them in a thread)."""
+    """`freeze`, `thaw` and `checkpoint` of the containers under one runsc root (its `StateFiles`):
+    freeze and thaw block (run them in a thread), a checkpoint is awaited."""
 
     def __init__(self, states: StateFiles) -> None:
         self.states = states
@@ -206,8 +206,10 @@ class Control:
         if not await asyncio.to_thread(self._status_in, sandbox_id, ("running", "paused")):
             return False  # what runsc's CLI checks first
         names = [STATE_FILE] + ([PAGES_META_FILE, PAGES_FILE] if compression == "none" else [])
-        files = [open(image_dir / name, "xb") for name in names]
+        files = []
         try:
+            for name in names:
+                files.append(open(image_dir / name, "xb"))
             await call_async(self.states.control_socket(sandbox_id), sandbox_id, "containerManager.Checkpoint",
                              {"key": None, "metadata": {"compression": compression},
                               "MemoryFileSaveOpts": {"ExcludeCommittedZeroPages": False},

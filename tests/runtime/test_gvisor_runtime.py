@@ -223,9 +223,10 @@ async def test_checkpoint_restore_same_id_same_slot(kit: SandboxKit):
 
 async def test_checkpoint_through_the_control_socket_and_its_refusal_on_a_full_disk(kit: SandboxKit):
     """A checkpoint that leaves the sandbox running is asked of the Sentry over its control socket
-    (`gvisor_control.Control.checkpoint`: no runsc start while it is frozen). A refusal there (a real
-    ENOSPC: a 1 MiB tmpfs as the image dir) thaws it and says why; with room the image is written,
-    the sandbox runs on, and the image restores into a new slot."""
+    (`gvisor_control.Control.checkpoint`: no runsc start while it is frozen). An image file that
+    cannot be created, or a refusal there (a real ENOSPC: a 1 MiB tmpfs as the image dir), thaws it
+    and says why; with room the image is written, the sandbox runs on, and the image restores into
+    a new slot."""
     from agentenv.errors import CaptureRefused
     box, _ = await kit.start()
     sid = box.sandbox_id
@@ -238,6 +239,16 @@ async def test_checkpoint_through_the_control_socket_and_its_refusal_on_a_full_d
     async def while_frozen() -> None:
         frozen_calls.append(await kit.rt.state(sid))
 
+    # an image dir already holding a file of that name: nothing is asked, the sandbox is thawed
+    taken = box.dir / "taken"
+    taken.mkdir()
+    (taken / "checkpoint.img").write_text("not this checkpoint's")
+    with pytest.raises(CaptureRefused):
+        await kit.rt.checkpoint_running(sid, taken, while_frozen=while_frozen)
+    assert await kit.rt.state(sid) == "running"
+    assert http_get(box.slot.host_ip, "/count")["count"] == 2
+    await asyncio.sleep(0.3)
+
     full = box.dir / "full"
     full.mkdir()
     run("mount", "-t", "tmpfs", "-o", "size=1m", "agentenv-test-full", str(full))
@@ -247,7 +258,7 @@ async def test_checkpoint_through_the_control_socket_and_its_refusal_on_a_full_d
         assert "no space left on device" in refused.value.message.lower(), refused.value.message
         assert frozen_calls == [], "the disk was copied although the image failed"
         assert await kit.rt.state(sid) == "running"
-        assert http_get(box.slot.host_ip, "/count")["count"] == 2
+        assert http_get(box.slot.host_ip, "/count")["count"] == 3
         assert "through the control socket" in console.read_text(errors="replace")
     finally:
         run("umount", str(full))
@@ -261,14 +272,15 @@ async def test_checkpoint_through_the_control_socket_and_its_refusal_on_a_full_d
         "the checkpoint ran a runsc command"
     report(f"checkpoint through the control socket: frozen {frozen_s * 1e3:.0f} ms")
     assert await kit.rt.state(sid) == "running"
-    assert http_get(box.slot.host_ip, "/count")["count"] == 3
+    assert http_get(box.slot.host_ip, "/count")["count"] == 4
     await asyncio.sleep(0.3)
     child = await kit.prepare(upper_from=box.upper)
     await kit.rt.restore(child.spec, image)
     await kit.net.activate(child.slot)
     wait_http(child.slot.host_ip)
-    assert http_get(child.slot.host_ip, "/count")["count"] == 3  # the counter as it was at the image
-    assert http_get(box.slot.host_ip, "/count")["count"] == 4  # and the source runs on its own
+    assert http_get(child.slot.host_ip, "/count")["count"] == 4  # the counter as it was at the image
+    assert http_get(box.slot.host_ip, "/count")["count"] == 5  # and the source runs on its own
+
 
 def _neighbours(netns: str | None, dev: str) -> str:
     argv = ["ip"] + (["-n", netns] if netns else []) + ["neigh", "show", "dev", dev]
