@@ -521,23 +521,26 @@ class GVisorRuntime:
         # look finds it gone); the slow path only runs when that did not remove it.
         self._bundles.pop(sandbox_id, None)
         killed = cgroups.kill_sandbox(sandbox_id, owner=f"--root={self.root}", comm=ORPHAN_COMM)
+        deleted = False
         if killed:
             reaped = await asyncio.to_thread(reap_killed, killed)
             log.debug("sandbox %s: killed %d runsc helper(s), reaped %d", sandbox_id, len(killed), reaped)
-            if await asyncio.to_thread(self._states.delete_stopped, sandbox_id):
-                await cgroups.remove(sandbox_id, owner=f"--root={self.root}")
-                return
+            deleted = await asyncio.to_thread(self._states.delete_stopped, sandbox_id)
+        if not deleted:
+            await self._runsc_delete(sandbox_id)
+        await cgroups.remove(sandbox_id, owner=f"--root={self.root}")
+        # a state file runsc cannot read (cut by a killed runsc, nothing to put back): its processes
+        # are gone with the cgroup; what runsc keeps of it would be listed forever
+        self._states.remove(sandbox_id)
+        self._states.forget(sandbox_id)
+
+    async def _runsc_delete(self, sandbox_id: str) -> None:
         res = await self._runsc("delete", "--force", sandbox_id, check=False)
         if res.returncode != 0 and await self._state(sandbox_id) is not None:
             await self._runsc("kill", sandbox_id, "KILL", check=False)
             res = await self._runsc("delete", "--force", sandbox_id, check=False)
             if res.returncode != 0 and await self._state(sandbox_id) is not None:
                 raise RuntimeFailure(f"runsc delete {sandbox_id} failed: {res.stderr.strip()[-1000:]}")
-        await cgroups.remove(sandbox_id, owner=f"--root={self.root}")
-        # a state file runsc cannot read (cut by a killed runsc, nothing to put back): its processes
-        # are gone with the cgroup; what runsc keeps of it would be listed forever
-        self._states.remove(sandbox_id)
-        self._states.forget(sandbox_id)
 
     async def cleanup_orphans(self, keep: set[str]) -> list[str]:
         """Stop our containers not in `keep` and remove empty agentenv cgroups left by failed creates.

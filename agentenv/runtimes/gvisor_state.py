@@ -130,11 +130,9 @@ class StateFiles:
             pids = [pid for pid in (state.get("goferPid"), sandbox.get("pid")) if isinstance(pid, int) and pid > 0]
             if not pids or any(pid_exists(pid) for pid in pids) or (state.get("spec") or {}).get("hooks"):
                 return False
-            path = self._state_file(container_id)
-            sock = sandbox.get("controlSocketPath") or str(self.control_socket(container_id))
-            for leftover in (Path(sock), path, path.with_suffix(".lock")):
-                leftover.unlink(missing_ok=True)
-        self.forget(container_id)
+            sock = sandbox.get("controlSocketPath")
+            self._delete(container_id, self._state_file(container_id),
+                         Path(sock) if sock else self.control_socket(container_id))
         return True
 
     def remove(self, container_id: str) -> bool:
@@ -144,11 +142,15 @@ class StateFiles:
         if path is None or _read(path) is not None:
             return False
         sandbox_id = path.name.split("_sandbox:", 1)[1].removesuffix(".state")
-        for leftover in (path, path.with_suffix(".lock"), self.control_socket(sandbox_id)):
-            leftover.unlink(missing_ok=True)
-        self.forget(container_id)
+        self._delete(container_id, path, self.control_socket(sandbox_id))
         log.warning("removed runsc's unreadable state of %s", container_id)
         return True
+
+    def _delete(self, container_id: str, state_file: Path, control_socket: Path) -> None:
+        """What runsc keeps of a container whose processes are gone: its control socket, state and lock."""
+        for leftover in (control_socket, state_file, state_file.with_suffix(".lock")):
+            leftover.unlink(missing_ok=True)
+        self.forget(container_id)
 
 
 def _read(path: Path | None, default: dict | None = None) -> dict | None:

@@ -220,7 +220,6 @@ async def test_checkpoint_restore_same_id_same_slot(kit: SandboxKit):
     assert http_get(box.slot.host_ip, "/count")["count"] == 2
 
 
-
 async def test_checkpoint_through_the_control_socket_and_its_refusal_on_a_full_disk(kit: SandboxKit):
     """A checkpoint that leaves the sandbox running is asked of the Sentry over its control socket
     (`gvisor_control.Control.checkpoint`: no runsc start while it is frozen). An image file that
