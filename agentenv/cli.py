@@ -872,12 +872,15 @@ def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | Non
                     await c.store.delete_sandbox(rec.sandbox_id)
             from agentenv.orchestrator.host import GcIncomplete
             from agentenv.proxy import dataplane
+            from agentenv.proxy.haproxy import sweep_orphan_sock_dirs
 
             try:
                 removed, failed = await c.orchestrator.gc(keep), []
             except GcIncomplete as e:
                 removed, failed = e.removed, e.failed
             removed["haproxy"] = await dataplane.stop_leftover(settings)  # a crashed server's data plane
+            # socket dirs in the temp dir of other killed servers whose data dirs were deleted since
+            removed["data plane socket dirs"] = await asyncio.to_thread(sweep_orphan_sock_dirs)
             c.orchestrator.captures.drop_kept_images()  # forks in flight ended with that server
             return removed, failed
         finally:

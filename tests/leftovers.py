@@ -190,8 +190,16 @@ def find_leftovers(
         netns=[n for n in agentenv_netns() if n not in ignore_netns],
         mounts=mounts_under(real),
         processes=processes,
-        files=sorted(str(p) for p in Path(real, "fork-images").glob("*")),
+        files=sorted(str(p) for p in Path(real, "fork-images").glob("*")) + data_plane_sock_dir(real),
     )
+
+
+def data_plane_sock_dir(data_dir: str) -> list[str]:
+    """The data plane's socket dir in the temp dir, while it exists (a stop or `agentenv gc` removes it)."""
+    from agentenv.proxy.haproxy import sock_dir_for
+
+    d = sock_dir_for(Path(data_dir))
+    return [str(d)] if d.exists() else []
 
 
 def assert_no_leftovers(

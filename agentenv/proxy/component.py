@@ -25,7 +25,7 @@ import signal
 from pathlib import Path
 
 from agentenv.proc import run_cmd
-from agentenv.proxy.haproxy import RESTART_DELAY_S
+from agentenv.proxy.haproxy import RESTART_DELAY_S, make_sock_dir
 from agentenv.proxy.haproxy_conf import HaproxyLayout
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Component:
         self.starts = 0
 
     async def _spawn(self) -> None:
-        self.layout.sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_sock_dir(self.layout)
         self.digest = _digest(self.layout.config)
         self.proc = await asyncio.create_subprocess_exec(
             self.binary, "-W", "-db", "-f", str(self.layout.config), stdin=asyncio.subprocess.DEVNULL)

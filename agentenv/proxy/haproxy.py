@@ -62,10 +62,40 @@ def haproxy_binary(path: str = "haproxy") -> str | None:
     return shutil.which(path)
 
 
+SOCK_DIR_PREFIX = "agentenv-dp-"
+SOCK_DIR_OWNER = "owner"  # in a socket dir: the data plane dir (under a data dir) it serves
+
+
 def sock_dir_for(data_dir: Path) -> Path:
     """A short directory for the unix sockets (sun_path holds 107 bytes; data dirs can be long)."""
     digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / f"agentenv-dp-{digest}"
+    return Path(tempfile.gettempdir()) / f"{SOCK_DIR_PREFIX}{digest}"
+
+
+def make_sock_dir(layout: HaproxyLayout) -> None:
+    """Create the socket dir and name its owner in it, so a dir left by a killed server can be told
+    from a live one once its data dir is gone (`sweep_orphan_sock_dirs`)."""
+    layout.sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    owner = layout.sock_dir / SOCK_DIR_OWNER
+    if not owner.exists():
+        owner.write_text(str(layout.dir.resolve()))
+
+
+def sweep_orphan_sock_dirs(tmp: Path | None = None) -> list[str]:
+    """Remove the socket dirs in the temp dir whose data dir no longer exists and whose HAProxy is
+    not running: what a server killed with SIGKILL leaves when its data dir is deleted afterwards
+    (a test's, a CI job's). A dir without an owner file (older versions) is left alone."""
+    removed = []
+    for d in (tmp or Path(tempfile.gettempdir())).glob(f"{SOCK_DIR_PREFIX}*"):
+        try:
+            owner = Path((d / SOCK_DIR_OWNER).read_text().strip())
+        except (OSError, UnicodeDecodeError):
+            continue
+        if not owner.is_absolute() or owner.exists() or processes_running(owner / "haproxy.cfg"):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d.name)
+    return removed
 
 
 class RuntimeApi:
@@ -342,9 +372,11 @@ class DataPlane:
         """Write config and maps, start HAProxy (external: wait for it), return once it answers on
         its runtime API."""
         self.layout.dir.mkdir(parents=True, exist_ok=True)
-        self.layout.sock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_sock_dir(self.layout)
         if not self.external:
             await self.stop_leftover()
+            if swept := await asyncio.to_thread(sweep_orphan_sock_dirs):
+                log.info("removed data plane socket dirs of deleted data dirs: %s", ", ".join(swept))
         config = render(self.layout, http_bind=self._http_bind, https_bind=self._https_bind, cert=self._cert,
                         threads=self._threads, cluster=self._cluster, hop=self._hop)
         self.routes.write_files()

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agentenv.errors import RuntimeFailure
-from agentenv.proc import run_cmd
+from agentenv.proc import pid_exists, run_cmd
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +123,23 @@ def _kill_leftovers(marker: str) -> None:
             continue
 
 
+_PROBE_DIR_PREFIX = "agentenv-platform-"
+
+
+def _sweep_probe_dirs() -> None:
+    """Remove probe dirs (`agentenv-platform-<pid>-*`) of processes that are gone: a server killed
+    while it probed leaves its dir behind."""
+    for d in Path(tempfile.gettempdir()).glob(f"{_PROBE_DIR_PREFIX}*-*"):
+        pid = d.name[len(_PROBE_DIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not pid_exists(int(pid)):
+            _kill_leftovers(str(d))  # its runsc, if that outlived the server too
+            shutil.rmtree(d, ignore_errors=True)
+
+
 async def probe(runsc: str, platform: str, timeout: float = PROBE_TIMEOUT) -> str:
     """Run one process under `platform`: "ok", or why it did not work. Leaves nothing behind."""
-    tmp = tempfile.mkdtemp(prefix="agentenv-platform-")
+    await asyncio.to_thread(_sweep_probe_dirs)
+    tmp = tempfile.mkdtemp(prefix=f"{_PROBE_DIR_PREFIX}{os.getpid()}-")
     argv = ["env", f"TMPDIR={tmp}", runsc, f"--root={tmp}/root", f"--platform={platform}",
             "--network=none", "--ignore-cgroups", "do", "-cwd", "/",
             "/bin/sh", "-c", f"echo {_PROBE_MARKER}; exit {_PROBE_EXIT}"]

@@ -11,8 +11,8 @@ import pytest
 import requests
 from e2b import Sandbox
 
-from agentenv.proxy.haproxy import processes_running
-from serverproc import new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
+from agentenv.proxy.haproxy import processes_running, sock_dir_for
+from serverproc import new_data_dir, remove_data_dir, run_gc, start_extra_server, stop_unchecked
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -87,3 +87,38 @@ def test_api_errors_stay_json_while_the_server_is_down() -> None:
     finally:
         stop_unchecked(first, second)
         remove_data_dir(data_dir)
+
+
+def test_socket_dir_of_a_killed_server_goes_once_its_data_dir_is_gone(server) -> None:
+    """A server killed together with its HAProxy (SIGKILL) leaves its socket dir
+    in the temp dir, where its own data dir's `agentenv gc` would find it. Once that data dir is gone
+    too, `agentenv gc` of any other data dir removes it, and leaves the dirs of live servers."""
+    gone, other = new_data_dir("orphan"), new_data_dir("sweeper")
+    parked = gone.with_name(gone.name + "-parked")
+    srv = None
+    try:
+        srv = start_extra_server(gone)
+        sock_dir = sock_dir_for(gone)
+        assert (sock_dir / "owner").read_text() == str((gone / "haproxy").resolve())
+        for pid in haproxy_pids(gone):  # HAProxy has a session of its own: it outlives the server
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=30)
+        srv.stopped = True
+        deadline = time.monotonic() + 30
+        while haproxy_pids(gone) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert haproxy_pids(gone) == []
+        assert sock_dir.is_dir()
+        gone.rename(parked)  # its data dir deleted (set aside here, so the test can collect it after)
+        r = run_gc(other)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not sock_dir.exists(), f"{sock_dir} outlived its data dir: {r.stdout}"
+        assert sock_dir.name in r.stdout, r.stdout
+        assert sock_dir_for(server.data_dir).is_dir(), "the live session server's socket dir was removed"
+    finally:
+        if parked.exists():
+            parked.rename(gone)
+        stop_unchecked(srv)
+        remove_data_dir(gone)
+        remove_data_dir(other)

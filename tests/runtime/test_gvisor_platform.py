@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -92,6 +93,26 @@ async def test_auto_picks_systrap_here(tmp_path: Path) -> None:
         assert choice.probed["kvm"] != "ok"
     # probes leave no temp dirs (others' concurrent probes may add their own: only ours must be gone)
     assert not (_our_probe_dirs() - before)
+
+
+async def test_probe_removes_the_dirs_of_probes_whose_process_died(tmp_path: Path) -> None:
+    """A server killed while it probed leaves `agentenv-platform-<pid>-*`: the next probe, by any
+    process, removes it once that pid is gone, and leaves the dirs of probes still running."""
+    _needs_real_runsc()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    dead = tmp / f"agentenv-platform-{gone.pid}-leftover"
+    (dead / "root").mkdir(parents=True)
+    live = tmp / f"agentenv-platform-{os.getppid()}-running"
+    live.mkdir()
+    try:
+        assert await gp.probe(RUNSC, "systrap") == "ok"
+        assert not dead.exists(), "the dir of a probe whose process is gone was left"
+        assert live.is_dir(), "the dir of a live process's probe was removed"
+    finally:
+        shutil.rmtree(dead, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)
 
 
 async def test_explicit_platforms(tmp_path: Path) -> None:
