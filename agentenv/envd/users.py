@@ -46,7 +46,31 @@ class UnknownUser(LookupError):
     pass
 
 
+# What the user database's answers depend on: a user added, changed or put in a group changes one of
+# these files (useradd, usermod and the like replace them).
+_USER_DB = ("/etc/passwd", "/etc/group")
+_users: dict[str, tuple[tuple, User]] = {}
+
+
+def _user_db_version() -> tuple:
+    version = []
+    for path in _USER_DB:
+        try:
+            st = os.stat(path)
+            version.append((st.st_ino, st.st_mtime_ns, st.st_size))
+        except OSError:
+            version.append(None)
+    return tuple(version)
+
+
 def lookup_user(name: str) -> User:
+    """The user `name` (KeyError: UnknownUser). Every request names one; the answer is kept until
+    /etc/passwd or /etc/group change: getpwnam + getgrouplist read both files, several ms a
+    request in a sandbox."""
+    version = _user_db_version()
+    cached = _users.get(name)
+    if cached is not None and cached[0] == version:
+        return cached[1]
     try:
         pw = pwd.getpwnam(name)
     except KeyError:
@@ -55,7 +79,11 @@ def lookup_user(name: str) -> User:
         groups = tuple(os.getgrouplist(pw.pw_name, pw.pw_gid))
     except OSError:
         groups = (pw.pw_gid,)
-    return User(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir or "/", groups)
+    user = User(pw.pw_name, pw.pw_uid, pw.pw_gid, pw.pw_dir or "/", groups)
+    if len(_users) > 256:
+        _users.clear()
+    _users[name] = (version, user)
+    return user
 
 
 def user_name(uid: int) -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import secrets
+import subprocess
 import time
 
 import pytest
@@ -48,6 +50,24 @@ def test_environment_user_and_cwd(sbx, temp_user, workdir):
     assert r.stdout.split() == ["root", "/root"]
     # request env overrides global env
     assert sbx.commands.run("echo $GLOBAL_VAR", envs={"GLOBAL_VAR": "mine"}).stdout == "mine\n"
+
+
+def test_user_database_changes_apply_to_the_next_command(sbx):
+    """envd keeps looked-up users between requests: a group added to a user, and a user removed,
+    count from the next command on."""
+    name, group = "aecache" + secrets.token_hex(3), "aegrp" + secrets.token_hex(3)
+    subprocess.run(["useradd", "-M", "-s", "/bin/bash", "-d", "/", name], check=True, timeout=30, capture_output=True)
+    try:
+        assert group not in sbx.commands.run("id -Gn", user=name).stdout.split()
+        subprocess.run(["groupadd", group], check=True, timeout=30, capture_output=True)
+        subprocess.run(["usermod", "-aG", group, name], check=True, timeout=30, capture_output=True)
+        assert group in sbx.commands.run("id -Gn", user=name).stdout.split()
+        subprocess.run(["userdel", name], check=True, timeout=30, capture_output=True)
+        with pytest.raises(AuthenticationException):
+            sbx.commands.run("true", user=name)
+    finally:
+        subprocess.run(["userdel", name], timeout=30, capture_output=True)
+        subprocess.run(["groupdel", group], timeout=30, capture_output=True)
 
 
 def test_missing_cwd_is_invalid_argument(sbx):
