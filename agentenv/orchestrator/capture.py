@@ -308,6 +308,9 @@ class Capture:
         sid = rec.sandbox_id
         for scratch in ("capture-upper", "capture.reset"):
             shutil.rmtree(host.sandbox_dir(sid) / scratch, ignore_errors=True)
+        for half in host.sandbox_dir(sid).glob("*.tmp"):  # a write-then-rename cut short (journal, capture base)
+            if half.is_file():
+                half.unlink(missing_ok=True)
         try:
             journal = json.loads(self._journal_path(sid).read_text())
         except (OSError, ValueError):

@@ -25,7 +25,7 @@ import signal
 from pathlib import Path
 
 from agentenv.proc import run_cmd
-from agentenv.proxy.haproxy import RESTART_DELAY_S, make_sock_dir
+from agentenv.proxy.haproxy import RESTART_DELAY_S, make_sock_dir, release_sock_dir
 from agentenv.proxy.haproxy_conf import HaproxyLayout
 
 log = logging.getLogger(__name__)
@@ -114,3 +114,4 @@ class Component:
             proc.kill()
             await proc.wait()
         log.info("haproxy stopped")
+        release_sock_dir(self.layout, ours=self.layout.admin_socket, theirs=self.layout.app_socket)

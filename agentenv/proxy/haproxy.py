@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -81,6 +82,28 @@ def make_sock_dir(layout: HaproxyLayout) -> None:
         owner.write_text(str(layout.dir.resolve()))
 
 
+def release_sock_dir(layout: HaproxyLayout, *, ours: Path, theirs: Path) -> None:
+    """One side of a shared socket dir is done (HAProxy as its own component and the role it serves):
+    its socket goes, and the dir with it once the other side's socket does not answer either."""
+    if answers(theirs):
+        with contextlib.suppress(FileNotFoundError):
+            ours.unlink()
+    else:
+        shutil.rmtree(layout.sock_dir, ignore_errors=True)
+
+
+def answers(path: Path) -> bool:
+    """Whether something accepts connections on the unix socket `path`: a process of another PID
+    namespace too, which /proc does not show (HAProxy as its own component)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
 def sweep_orphan_sock_dirs(tmp: Path | None = None) -> list[str]:
     """Remove the socket dirs in the temp dir whose data dir no longer exists and whose HAProxy is
     not running: what a server killed with SIGKILL leaves when its data dir is deleted afterwards
@@ -91,7 +114,8 @@ def sweep_orphan_sock_dirs(tmp: Path | None = None) -> list[str]:
             owner = Path((d / SOCK_DIR_OWNER).read_text().strip())
         except (OSError, UnicodeDecodeError):
             continue
-        if not owner.is_absolute() or owner.exists() or processes_running(owner / "haproxy.cfg"):
+        if not owner.is_absolute() or owner.exists() or processes_running(owner / "haproxy.cfg") \
+                or answers(d / "admin.sock"):  # (a HAProxy in another PID namespace answers there)
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d.name)
@@ -511,9 +535,8 @@ class DataPlane:
                 with contextlib.suppress(BaseException):
                     await task
         self._sync = self._supervisor = None
-        if self.external:  # the component's sockets and configuration stay: it goes on running
-            with contextlib.suppress(FileNotFoundError):
-                self.layout.app_socket.unlink()
+        if self.external:  # the component's sockets and configuration stay while it goes on running
+            release_sock_dir(self.layout, ours=self.layout.app_socket, theirs=self.layout.admin_socket)
             return
         shutil.rmtree(self.layout.sock_dir, ignore_errors=True)
 

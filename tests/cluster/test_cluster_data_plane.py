@@ -247,4 +247,5 @@ def test_gateway_with_haproxy_as_its_own_component(cluster, tmp_path):
         comp.wait(30)
     assert "haproxy stopped" in comp_log.read_text()
     assert haproxy_master(config) is None
+    assert not sock_dir_for(config.parent).exists(), "the shared socket dir outlived the gateway and its HAProxy"
 

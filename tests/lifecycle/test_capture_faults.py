@@ -560,6 +560,10 @@ def test_server_killed_mid_fork_keeps_source(server, when):
         assert landed, f"the fault did not land ({when}) within {took:.1f}s: {result}\n{first.log_tail(30)}"
         print(f"killed the server group {took:.2f}s into the fork: {landed}")
         t.join(timeout=120)
+        # what a kill between a write and its rename leaves (the journal's, the capture base's): the
+        # kill above lands there only by chance, so both are planted as such a kill leaves them
+        for half in ("capture.tmp", "capture-base.tmp"):
+            (sdir / half).write_text('{"cut": ')
 
         second = start_extra_server(d, api_key=key, env=env, log_name="server-2.log")
         second.known_ids |= first.known_ids
@@ -581,6 +585,7 @@ def test_server_killed_mid_fork_keeps_source(server, when):
                        if p.name != CAPTURE_BASE]  # the base of its next capture's delta stays
             assert not scratch, "a capture's scratch copy outlived the restart"
         assert not (sdir / "capture.json").exists(), "the capture journal outlived the recovery"
+        assert not list(sdir.glob("*.tmp")), "a half-written file outlived the recovery"
         again = Sandbox.connect(sid, timeout=TIMEOUT_S, **o2)
         _assert_intact(second, again, before, f"source after a server crash mid-fork ({when})")
         children = [i.sandbox_id for i in Sandbox.list(**o2).next_items() if i.sandbox_id != sid]
