@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from agentenv.config import Settings
-from agentenv.proxy.haproxy import DataPlane, HaproxyLayout, answers, haproxy_binary, sock_dir_for
+from agentenv.proxy.haproxy import DataPlane, HaproxyLayout, haproxy_binary, release_sock_dir, sock_dir_for
 from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, ClusterListener
 from agentenv.proxy.tls import TlsFiles, prepare
 
@@ -182,9 +182,8 @@ async def stop_leftover(settings: Settings) -> list[str]:
     Not with `haproxy_external`: that HAProxy is its own component's, not a leftover; its socket dir
     goes only once nothing answers on its runtime API (the component stopped too)."""
     if settings.haproxy_external:
-        lay = layout(settings)
-        if not answers(lay.admin_socket):
-            shutil.rmtree(lay.sock_dir, ignore_errors=True)
+        lay = layout(settings)  # the server is not running: its side of the dir is done
+        release_sock_dir(lay, ours=lay.app_socket, theirs=lay.admin_socket)
         return []
     dp = DataPlane(settings.haproxy_path, layout(settings), OrchestratorRoutes(None), http_bind=None)
     pid = dp.pid()

@@ -114,8 +114,9 @@ def sweep_orphan_sock_dirs(tmp: Path | None = None) -> list[str]:
             owner = Path((d / SOCK_DIR_OWNER).read_text().strip())
         except (OSError, UnicodeDecodeError):
             continue
-        if not owner.is_absolute() or owner.exists() or processes_running(owner / "haproxy.cfg") \
-                or answers(d / "admin.sock"):  # (a HAProxy in another PID namespace answers there)
+        left = HaproxyLayout(owner, d)
+        if not owner.is_absolute() or owner.exists() or processes_running(left.config) \
+                or answers(left.admin_socket):  # (a HAProxy in another PID namespace answers there)
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d.name)
