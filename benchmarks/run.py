@@ -32,6 +32,7 @@ import subprocess
 import sys
 import time
 import traceback
+import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -459,6 +460,17 @@ def pct(xs: list[float], p: float) -> float:
 def stats(xs: list[float]) -> dict:
     return {"n": len(xs), "p50": pct(xs, 50), "p95": pct(xs, 95), "max": max(xs) if xs else None,
             "min": min(xs) if xs else None, "mean": statistics.fmean(xs) if xs else None, "raw": xs}
+
+
+def host_file_sends(url: str) -> int | None:
+    """The server's count of downloads sent from the host (`agentenv_proxy_host_file_sends_total`), if any."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    m = re.search(r"^agentenv_proxy_host_file_sends_total (\S+)$", text, re.M)
+    return int(float(m.group(1))) if m else None
 
 
 def slot_host_ip(sandbox_id: str) -> str:
@@ -1026,8 +1038,9 @@ class Bench:
         size = 64 * MiB
         data = os.urandom(size)
         log(f"files: {reps} x 64 MiB write/read via SDK, raw HTTP via proxy and straight to envd, host disk, dd")
-        w, r, lw, lr, dw, dr = [], [], [], [], [], []
+        w, r, rs, lw, lr, dw, dr = [], [], [], [], [], [], []
         pw, pr, ew, er = [], [], [], []
+        sends_before = host_file_sends(self.srv.url)
         sbx = self.create()
         local = BENCH_DIR / "files-baseline.bin"
         envd_ip = slot_host_ip(sbx.sandbox_id)
@@ -1046,6 +1059,11 @@ class Bench:
                 if len(back) != size or back[:4096] != data[:4096] or back[-4096:] != data[-4096:]:
                     raise RuntimeError("files.read returned different bytes")
                 del back
+                t0 = time.monotonic()
+                got = sum(len(chunk) for chunk in sbx.files.read(f"/tmp/bench-{i}.bin", format="stream"))
+                rs.append(time.monotonic() - t0)
+                if got != size:
+                    raise RuntimeError("files.read(format='stream') returned a different size")
                 # the same bytes as one octet-stream request each way: through the proxy, then to envd
                 for (host, port, headers), (tw, tr) in (((proxy.hostname, proxy.port, proxied), (pw, pr)),
                                                        ((envd_ip, 49983, token), (ew, er))):
@@ -1074,7 +1092,10 @@ class Bench:
 
         def mbps(ts):
             return {**stats(ts), "MiBps_p50": 64 / pct(ts, 50) if ts else None}
+        sends = host_file_sends(self.srv.url)
         self.results["files"] = {"size_MiB": 64, "sdk_write": mbps(w), "sdk_read": mbps(r),
+                                 "sdk_read_stream": mbps(rs),
+                                 "host_file_sends": None if sends is None or sends_before is None else sends - sends_before,
                                  "proxy_http_write": mbps(pw), "proxy_http_read": mbps(pr),
                                  "envd_http_write": mbps(ew), "envd_http_read": mbps(er), "host_write": mbps(lw),
                                  "host_read": mbps(lr), "sandbox_dd_write": mbps(dw), "sandbox_dd_read": mbps(dr)}
@@ -1724,6 +1745,7 @@ def report(res: dict) -> str:
         L += ["### 3. File throughput (64 MiB of random bytes)", "",
               "| | n | p50 time | p50 MiB/s | max time |", "|---|---|---|---|---|"]
         for label, k in [("**agentenv** `files.write`", "sdk_write"), ("**agentenv** `files.read`", "sdk_read"),
+                         ("**agentenv** `files.read(format=\"stream\")`", "sdk_read_stream"),
                          ("HTTP `POST /files` (octet-stream) through the proxy", "proxy_http_write"),
                          ("HTTP `GET /files` (identity) through the proxy", "proxy_http_read"),
                          ("HTTP `POST /files` straight to envd (slot address)", "envd_http_write"),
@@ -1732,10 +1754,15 @@ def report(res: dict) -> str:
                          ("host: `read_bytes` (page cache)", "host_read"),
                          ("in sandbox: `dd if=/dev/zero bs=1M count=64`", "sandbox_dd_write"),
                          ("in sandbox: `dd of=/dev/null bs=1M`", "sandbox_dd_read")]:
-            st = f[k]
+            st = f.get(k)
+            if st is None:  # results from before this row existed
+                continue
             r = f"{st['MiBps_p50']:.0f}" if st.get("MiBps_p50") else "–"
             L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {r} | {ms(st['max'])} |")
         L.append("")
+        if f.get("host_file_sends") is not None:
+            L += [f"Downloads the data plane sent from the sandbox's disk on the host "
+                  f"(`agentenv_proxy_host_file_sends_total`): {f['host_file_sends']}.", ""]
     p = res.get("pause_resume")
     if p:
         L += ["### 4a. Pause / resume", "", "| | n | p50 | max |", "|---|---|---|---|"]

@@ -48,6 +48,9 @@ METADATA_HEADER_PREFIX = "x-metadata-"
 MAX_METADATA_KEY = 255 - len(XATTR_PREFIX)
 MAX_METADATA_TOTAL = 4096
 _XATTR_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP)
+# The host's data plane asks with this header (and the host token) whether it may send a download
+# from the sandbox's disk itself (`agentenv.proxy.hostfiles`): its value is the smallest size worth it.
+HOST_READ_HEADER = "X-Agentenv-Host-Read"
 
 
 class HTTPFail(Exception):
@@ -364,6 +367,21 @@ async def _send_plain(request: web.Request, resp: web.StreamResponse, fd: int, o
         await resp.write(chunk)
 
 
+def _root_device() -> int:
+    return os.stat("/").st_dev
+
+
+def _host_may_send(request: web.Request, state: EnvdState, st: os.stat_result) -> bool:
+    """The host asked to send this whole, plain download itself, and the file lives on the sandbox's
+    root filesystem (the host's view of it is the same file: gVisor writes through to it). Files on
+    other mounts (/dev/shm, a tmpfs the user mounted) have another device and stay with envd."""
+    wanted = request.headers.get(HOST_READ_HEADER, "")
+    if not wanted.isdigit() or not state.host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
+        return False
+    return (request.method == hdrs.METH_GET and stat.S_ISREG(st.st_mode) and st.st_size >= int(wanted)
+            and st.st_dev == _root_device())
+
+
 async def get_files(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     try:
@@ -406,6 +424,12 @@ async def get_files(request: web.Request) -> web.StreamResponse:
         elif _accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")) and await _on_io(_worth_compressing, fd):
             compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
             resp.headers[hdrs.CONTENT_ENCODING] = "gzip"
+        elif _host_may_send(request, state, st):
+            # The response's headers and the file's canonical path: the host opens it in the sandbox's
+            # root (never outside it) and checks it is the same size before sending it.
+            return web.json_response(
+                {"path": await _on_io(os.path.realpath, path), "size": size, "headers": dict(resp.headers)},
+                headers={HOST_READ_HEADER: "1"})
         else:
             resp.content_length = size
         await resp.prepare(request)

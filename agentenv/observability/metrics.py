@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.process_collector import ProcessCollector
 
@@ -96,6 +97,13 @@ class Metrics:
             "agentenv_resource_sampler_duration_seconds",
             "How long the last pass of the sandbox resource sampler took.", registry=r)
 
+    def count_host_file_sends(self, read: Callable[[], int]) -> None:
+        """`agentenv_proxy_host_file_sends_total`, read from the traffic proxy's own count at each scrape."""
+        self.registry.register(_ReadCounter(
+            "agentenv_proxy_host_file_sends",
+            "Downloads (GET /files) sent from the sandbox's disk on the host instead of through the "
+            "sandbox's network (agentenv/proxy/hostfiles.py).", read))
+
     def observe_op(self, operation: str, seconds: float) -> None:
         self.op_duration.labels(operation).observe(seconds)
 
@@ -155,3 +163,17 @@ def mount_metrics(app: web.Application, registry: CollectorRegistry, *, path: st
         return resp
 
     return app.router.add_get(path, handler)
+
+
+class _ReadCounter:
+    """A counter whose value another object keeps (a custom collector: prometheus_client's Counter
+    cannot take a function)."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self._name, self._doc, self._read = name, documentation, read
+
+    def describe(self):
+        return [CounterMetricFamily(self._name, self._doc)]
+
+    def collect(self):
+        yield CounterMetricFamily(self._name, self._doc, value=self._read())

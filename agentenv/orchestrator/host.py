@@ -126,6 +126,17 @@ class SandboxHost:
         (its record's)."""
         return self.runtime_named(self.runtime_of.get(sandbox_id) or recorded)
 
+    def shared_rootfs(self, sandbox_id: str) -> Path | None:
+        """The host's view of a brought-up sandbox's root filesystem, where its runtime keeps the two
+        coherent (`RuntimeTraits.shares_rootfs`); None otherwise."""
+        name = self.runtime_of.get(sandbox_id)
+        if name is None or not self.runtime_named(name).traits.shares_rootfs:
+            return None
+        return self.rootfs.rootfs_path(sandbox_id)
+
+    def shares_any_rootfs(self) -> bool:
+        return any(rt.traits.shares_rootfs for rt in self.runtimes.values())
+
     async def close(self) -> None:
         while self._background:  # e.g. a cancelled caller's teardown (shutdown during a warm build)
             await asyncio.gather(*(t for _, t in self._background.values()), return_exceptions=True)

@@ -109,7 +109,8 @@ def make(settings: Settings, chosen: Plan, orch: Any, *, source: Any = None,
     http_bind = f"{settings.host}:{settings.port}" if ":" not in settings.host else f"[{settings.host}]:{settings.port}"
     return DataPlane(chosen.haproxy, layout(settings), source or OrchestratorRoutes(orch), http_bind=http_bind,
                      https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None,
-                     threads=settings.haproxy_threads, cluster=cluster, external=settings.haproxy_external)
+                     threads=settings.haproxy_threads, cluster=cluster, external=settings.haproxy_external,
+                     host_reads=orch.host.shares_any_rootfs())
 
 
 def attach(dp: DataPlane, orch: Any) -> None:

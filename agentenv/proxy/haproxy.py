@@ -356,7 +356,9 @@ class DataPlane:
     def __init__(self, binary: str, layout: HaproxyLayout, source: RouteSource, *, http_bind: str | None,
                  https_bind: str | None = None, cert: Path | None = None, threads: int | None = None,
                  cluster: ClusterListener | None = None, hop: NodeHop | None = None,
-                 external: bool = False) -> None:
+                 external: bool = False, host_reads: bool = False) -> None:
+        """`host_reads`: downloads (`GET /files`) go through the server, which sends large ones from the
+        sandbox's disk on the host (`hostfiles`)."""
         self.binary = binary
         self.external = external
         self._instance: str | None = None  # external: the worker behind the runtime API (`_worker`)
@@ -368,6 +370,7 @@ class DataPlane:
         self._cert = cert
         self._cluster = cluster
         self._hop = hop
+        self._host_reads = host_reads
         self._threads = threads or max(1, min((os.cpu_count() or 1) // 2, 4))
         self._supervisor: asyncio.Task[None] | None = None
         self._sync: asyncio.Task[None] | None = None
@@ -403,7 +406,8 @@ class DataPlane:
             if swept := await asyncio.to_thread(sweep_orphan_sock_dirs):
                 log.info("removed data plane socket dirs of deleted data dirs: %s", ", ".join(swept))
         config = render(self.layout, http_bind=self._http_bind, https_bind=self._https_bind, cert=self._cert,
-                        threads=self._threads, cluster=self._cluster, hop=self._hop)
+                        threads=self._threads, cluster=self._cluster, hop=self._hop,
+                        host_reads=self._host_reads)
         self.routes.write_files()
         tmp = self.layout.config.with_suffix(".tmp")  # whole or not at all: an external HAProxy may read it now
         tmp.write_text(config)

@@ -24,12 +24,14 @@ import errno
 import hashlib
 import hmac
 import logging
+import os
 import re
 import socket
 import struct
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
@@ -38,6 +40,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from agentenv.constants import ENVD_PORT
+from agentenv.proxy.hostfiles import HOST_READ_HEADER, MIN_BYTES, HostFiles, open_checked
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,11 @@ _HOP_BY_HOP = frozenset(
 # straight from the orchestrator to envd, never through here. Code inside any sandbox can read it
 # (it is in envd's environment), so a client presenting it must not reach another sandbox's envd.
 HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"
-_STRIP_REQUEST = frozenset({"x-api-key", "expect", TRAFFIC_TOKEN_HEADER.lower(), HOST_TOKEN_HEADER.lower()})
+_STRIP_REQUEST = frozenset({"x-api-key", "expect", TRAFFIC_TOKEN_HEADER.lower(), HOST_TOKEN_HEADER.lower(),
+                            HOST_READ_HEADER.lower()})
+# Headers of envd's answer that do not describe the file the host sends.
+_HOST_READ_DROP = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
+                             HOST_READ_HEADER.lower()})
 # Headers aiohttp's client would otherwise invent; we forward exactly what the client sent.
 _NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _WS_HANDSHAKE = frozenset(
@@ -118,6 +125,7 @@ class ProxyStats:
     # error kind -> count: not_found, port_closed, timeout, forbidden, unauthorized, bad_request,
     # upstream_closed, client_disconnect, aborted
     errors: Counter[str] = field(default_factory=Counter)
+    files_from_host: int = 0  # downloads sent from the sandbox's disk on the host (`hostfiles`)
 
 
 def file_signature(path: str, operation: str, username: str, token: str, expiration: str | None) -> str:
@@ -206,10 +214,14 @@ class TrafficProxy:
         connect_timeout: float = 5.0,
         port_override: Callable[[SandboxRoute, int], tuple[str, int]] | None = None,
         idle_timeout: float = 2.0,
+        host_files: HostFiles | None = None,
     ) -> None:
         """`idle_timeout`: pooled upstream connections are closed by us after 1-2x this long idle,
-        i.e. before common server keep-alive timeouts (5 s) make the sandbox close them first."""
+        i.e. before common server keep-alive timeouts (5 s) make the sandbox close them first.
+        `host_files`: large downloads from sandboxes that share their rootfs with the host are sent
+        from it (`agentenv.proxy.hostfiles`)."""
         self._resolver = resolver
+        self._host_files = host_files
         self._domain = domain.lower() if domain else None
         self._connect_timeout = connect_timeout
         self._port_override = port_override
@@ -398,15 +410,14 @@ class TrafficProxy:
             self.stats.bytes_to_sandbox += len(chunk)
             yield chunk
 
-    async def _proxy_http(self, request: web.Request, flight: _Flight, url: URL,
-                          target: _Target) -> web.StreamResponse:
-        sandbox_id = flight.sandbox_id
-        session = self._session(sandbox_id)
+    async def _request(self, request: web.Request, sandbox_id: str, url: URL,
+                       headers: CIMultiDict[str]) -> aiohttp.ClientResponse | web.Response:
+        """Send the request on; a connection that fails before a response is answered here."""
         try:
-            upstream = await session.request(
+            return await self._session(sandbox_id).request(
                 request.method,
                 url,
-                headers=self._upstream_headers(request, target),
+                headers=headers,
                 data=self._request_body(request) if request.body_exists else None,
                 allow_redirects=False,
                 compress=None,
@@ -422,6 +433,78 @@ class TrafficProxy:
         except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
             return await self._upstream_failed(request, sandbox_id, exc)
 
+    def _shared_root(self, request: web.BaseRequest, target: _Target, url: URL) -> Path | None:
+        """The host's view of the sandbox's rootfs, for a download envd may leave to the host."""
+        if (self._host_files is None or request.method != "GET" or target.port != ENVD_PORT
+                or url.path != "/files" or request.body_exists):
+            return None
+        return self._host_files.root_of(target.sandbox_id)
+
+    async def _proxy_http(self, request: web.Request, flight: _Flight, url: URL,
+                          target: _Target) -> web.StreamResponse:
+        sandbox_id = flight.sandbox_id
+        headers = self._upstream_headers(request, target)
+        root = self._shared_root(request, target, url)
+        if root is not None and self._host_files is not None:
+            asked = headers.copy()
+            asked[HOST_READ_HEADER] = str(MIN_BYTES)
+            asked[HOST_TOKEN_HEADER] = self._host_files.host_token
+            upstream = await self._request(request, sandbox_id, url, asked)
+            if isinstance(upstream, web.Response):
+                return upstream
+            if not upstream.headers.get(HOST_READ_HEADER):
+                return await self._relay(request, flight, upstream)
+            sent = await self._send_from_host(request, flight, upstream, root)
+            if sent is not None:
+                return sent
+            # Not the file envd described (it changed meanwhile, or is not below the rootfs): envd sends it.
+        upstream = await self._request(request, sandbox_id, url, headers)
+        if isinstance(upstream, web.Response):
+            return upstream
+        return await self._relay(request, flight, upstream)
+
+    async def _send_from_host(self, request: web.Request, flight: _Flight, upstream: aiohttp.ClientResponse,
+                              root: Path) -> web.StreamResponse | None:
+        """Send the file envd described from the host (`hostfiles`); None if it is not that file."""
+        try:
+            info = await upstream.json()
+            path, size, headers = str(info["path"]), int(info["size"]), dict(info["headers"])
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+            log.info("sandbox %s: unusable answer to a host read: %r", flight.sandbox_id, exc)
+            return None
+        finally:
+            upstream.release()
+        # Inline, not on a thread: a pause cancelling this task must never leave an fd open on the
+        # rootfs it is about to unmount (a few path-lookup syscalls on the host).
+        fd = open_checked(root, path, size)
+        if fd is None:
+            return None
+        try:
+            response = web.StreamResponse(status=200)
+            for key, value in headers.items():
+                if key.lower() not in _HOST_READ_DROP:
+                    response.headers[key] = str(value)
+            response.content_length = size
+            flight.response = response
+            try:
+                await response.prepare(request)
+                if request.transport is None:
+                    raise ConnectionResetError("client gone")
+                with os.fdopen(fd, "rb", buffering=0, closefd=False) as fobj:
+                    await asyncio.get_running_loop().sendfile(request.transport, fobj, 0, size)
+                await response.write_eof()
+            except ConnectionError:
+                self.stats.errors["client_disconnect"] += 1
+                return response
+            self.stats.files_from_host += 1
+            self.stats.bytes_from_sandbox += size
+            return response
+        finally:
+            os.close(fd)
+
+    async def _relay(self, request: web.Request, flight: _Flight,
+                     upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        sandbox_id = flight.sandbox_id
         try:
             drop = _connection_tokens(upstream.headers)
             if self._is_small(request, upstream):

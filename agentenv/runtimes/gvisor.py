@@ -221,7 +221,8 @@ class GVisorRuntime:
 
     @property
     def traits(self) -> RuntimeTraits:
-        return RuntimeTraits(resets_connections=self.modern, may_stay_frozen=True, captures_running=self.modern)
+        return RuntimeTraits(resets_connections=self.modern, may_stay_frozen=True, captures_running=self.modern,
+                             shares_rootfs=True)
 
     async def close(self) -> None:
         """Nothing held across sandboxes (each runsc call is its own process)."""
