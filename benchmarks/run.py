@@ -462,15 +462,16 @@ def stats(xs: list[float]) -> dict:
             "min": min(xs) if xs else None, "mean": statistics.fmean(xs) if xs else None, "raw": xs}
 
 
-def host_file_sends(url: str) -> int | None:
-    """The server's count of downloads sent from the host (`agentenv_proxy_host_file_sends_total`), if any."""
+def host_file_counts(url: str) -> tuple[int, int] | None:
+    """The server's counts of downloads sent from the host and uploads staged there
+    (`agentenv_proxy_host_file_sends_total`, `..._stages_total`), if it has them."""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as resp:
             text = resp.read().decode()
     except OSError:
         return None
-    m = re.search(r"^agentenv_proxy_host_file_sends_total (\S+)$", text, re.M)
-    return int(float(m.group(1))) if m else None
+    found = [re.search(rf"^agentenv_proxy_host_file_{kind}_total (\S+)$", text, re.M) for kind in ("sends", "stages")]
+    return (int(float(found[0].group(1))), int(float(found[1].group(1)))) if all(found) else None
 
 
 def slot_host_ip(sandbox_id: str) -> str:
@@ -1040,7 +1041,7 @@ class Bench:
         log(f"files: {reps} x 64 MiB write/read via SDK, raw HTTP via proxy and straight to envd, host disk, dd")
         w, r, rs, lw, lr, dw, dr = [], [], [], [], [], [], []
         pw, pr, ew, er = [], [], [], []
-        sends_before = host_file_sends(self.srv.url)
+        counts_before = host_file_counts(self.srv.url)
         sbx = self.create()
         local = BENCH_DIR / "files-baseline.bin"
         envd_ip = slot_host_ip(sbx.sandbox_id)
@@ -1092,10 +1093,12 @@ class Bench:
 
         def mbps(ts):
             return {**stats(ts), "MiBps_p50": 64 / pct(ts, 50) if ts else None}
-        sends = host_file_sends(self.srv.url)
+        counts = host_file_counts(self.srv.url)
+        moved = None if counts is None or counts_before is None else [a - b for a, b in zip(counts, counts_before)]
         self.results["files"] = {"size_MiB": 64, "sdk_write": mbps(w), "sdk_read": mbps(r),
                                  "sdk_read_stream": mbps(rs),
-                                 "host_file_sends": None if sends is None or sends_before is None else sends - sends_before,
+                                 "host_file_sends": moved[0] if moved else None,
+                                 "host_file_stages": moved[1] if moved else None,
                                  "proxy_http_write": mbps(pw), "proxy_http_read": mbps(pr),
                                  "envd_http_write": mbps(ew), "envd_http_read": mbps(er), "host_write": mbps(lw),
                                  "host_read": mbps(lr), "sandbox_dd_write": mbps(dw), "sandbox_dd_read": mbps(dr)}
@@ -1762,7 +1765,8 @@ def report(res: dict) -> str:
         L.append("")
         if f.get("host_file_sends") is not None:
             L += [f"Downloads the data plane sent from the sandbox's disk on the host "
-                  f"(`agentenv_proxy_host_file_sends_total`): {f['host_file_sends']}.", ""]
+                  f"(`agentenv_proxy_host_file_sends_total`): {f['host_file_sends']}; uploads it staged there "
+                  f"(`agentenv_proxy_host_file_stages_total`): {f.get('host_file_stages')}.", ""]
     p = res.get("pause_resume")
     if p:
         L += ["### 4a. Pause / resume", "", "| | n | p50 | max |", "|---|---|---|---|"]

@@ -12,9 +12,12 @@ import concurrent.futures
 import errno
 import hashlib
 import hmac
+import json
 import mimetypes
 import os
 import re
+import secrets
+import shutil
 import stat
 import time
 import zlib
@@ -48,9 +51,21 @@ METADATA_HEADER_PREFIX = "x-metadata-"
 MAX_METADATA_KEY = 255 - len(XATTR_PREFIX)
 MAX_METADATA_TOTAL = 4096
 _XATTR_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP)
-# The host's data plane asks with this header (and the host token) whether it may send a download
-# from the sandbox's disk itself (`agentenv.proxy.hostfiles`): its value is the smallest size worth it.
+# The host's data plane (`agentenv.proxy.hostfiles`), with the host token, asks with these headers:
+# - HOST_READ_HEADER: whether it may send a download from the sandbox's disk itself (the value is the
+#   smallest size worth it);
+# - HOST_WRITE_HEADER: whether an upload of that many bytes may be staged (credentials, user, size);
+#   envd answers with a new, empty directory in "/" for it (the header's value: its name);
+# - STAGED_HEADER: to take an upload whose body the host wrote to files in that directory
+#   (JSON: {"multipart": bool, "dir": name, "files": [{"name": "<n>", "filename": str | null}]}).
+# The directory is envd's own and new: gVisor, which caches a directory's listing once a program read
+# it and then answers lookups of other names with ENOENT, has no listing of it to hide the host's files.
 HOST_READ_HEADER = "X-Agentenv-Host-Read"
+HOST_WRITE_HEADER = "X-Agentenv-Host-Write"
+STAGED_HEADER = "X-Agentenv-Staged"
+STAGED_PREFIX = ".agentenv-upload-"
+_STAGED_DIR = re.compile(r"^\.agentenv-upload-[0-9a-f]{32}$")
+_STAGED_FILE = re.compile(r"^[0-9]{1,6}$")
 
 
 class HTTPFail(Exception):
@@ -480,9 +495,18 @@ class _Budget:
             raise HTTPFail(413, f"upload exceeds the limit of {self.limit} bytes")
 
 
-async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Budget, meta: dict) -> dict:
-    """Stream `chunks` (async iterator of bytes) into `path` with file metadata `meta` (which replaces
-    the file's earlier metadata, none clearing it); remove the partial file on failure."""
+def _copy_from(src: int, dst: int, budget: _Budget) -> None:
+    """All of `src` into `dst` (both at offset 0) by sendfile(2): no buffers in this process."""
+    budget.take(os.fstat(src).st_size)
+    while os.sendfile(dst, src, None, 1 << 30):
+        pass
+
+
+async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Budget, meta: dict,
+                   source: int | None = None) -> dict:
+    """Stream `chunks` (async iterator of bytes), or the file `source`, into `path` with file metadata
+    `meta` (which replaces the file's earlier metadata, none clearing it); remove the partial file on
+    failure."""
     try:
         await ensure_dirs(state.executor, user, os.path.dirname(path))
         fd = await state.executor.run(user, _open_upload, path, meta, user.uid, user.gid)
@@ -496,6 +520,8 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
     ok = False
     writer = _BatchWriter(fd)
     try:
+        if source is not None:
+            await _on_io(_copy_from, source, fd, budget)
         async for chunk in chunks:
             if not chunk:
                 continue
@@ -517,7 +543,7 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
     return out
 
 
-def _part_filename(part) -> str | None:
+def part_filename(part) -> str | None:
     """The part's filename verbatim. aiohttp's own parser strips leading slashes (it assumes browser
     uploads), but E2B clients put the absolute destination path there."""
     header = part.headers.get(hdrs.CONTENT_DISPOSITION)
@@ -559,6 +585,112 @@ async def _next_part(reader):
     return await _guard_multipart(reader.next())
 
 
+async def _no_chunks():
+    return
+    yield b""
+
+
+def _staged_list(raw: str) -> tuple[bool, str, list[tuple[str, str | None]]]:
+    try:
+        doc = json.loads(raw)
+        files = [(str(f["name"]), None if f.get("filename") is None else str(f["filename"])) for f in doc["files"]]
+        multipart, staging = bool(doc["multipart"]), str(doc["dir"])
+    except (ValueError, KeyError, TypeError):
+        raise HTTPFail(400, f"malformed {STAGED_HEADER} header") from None
+    if not _STAGED_DIR.match(staging) or any(not _STAGED_FILE.match(name) for name, _ in files):
+        raise HTTPFail(400, f"malformed {STAGED_HEADER} header")
+    return multipart, staging, files
+
+
+# Staging dirs of uploads being taken right now, and how old one left behind must be before
+# `sweep_staged` removes it (its request broke off, e.g. by a pause).
+_TAKING: set[str] = set()
+STAGED_MAX_AGE_S = 600.0
+
+
+def sweep_staged() -> list[str]:
+    """Remove staging dirs in "/" that nobody takes any more (run after each /init)."""
+    removed = []
+    now = time.time()
+    with os.scandir("/") as entries:
+        for entry in entries:
+            if not _STAGED_DIR.match(entry.name) or entry.name in _TAKING:
+                continue
+            try:
+                if now - entry.stat(follow_symlinks=False).st_mtime > STAGED_MAX_AGE_S:
+                    shutil.rmtree(entry.path)
+                    removed.append(entry.name)
+            except OSError:
+                pass
+    return removed
+
+
+def sweep_staged_later() -> None:
+    _IO.submit(sweep_staged)
+
+
+def _make_staging_dir() -> str:
+    name = STAGED_PREFIX + secrets.token_hex(16)
+    os.mkdir("/" + name, 0o700)
+    return name
+
+
+def _open_staged(path: str) -> int:
+    """The staged file; if gVisor answers ENOENT from a listing of the dir cached meanwhile (something
+    listed it), a create and remove in the dir drops that listing and the lookup goes to the host."""
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError:
+        probe = os.path.join(os.path.dirname(path), ".probe")
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        os.unlink(probe)
+        return os.open(path, flags)
+
+
+async def _receive_staged(state: EnvdState, user: User, query_path: str | None, raw: str, budget: _Budget,
+                          meta: dict) -> list[dict]:
+    """An upload whose body the host wrote to files in a staging dir (`agentenv.proxy.hostfiles`): the
+    same checks and results as `post_files`, the bytes copied from the staged files, which go afterwards."""
+    multipart, staging, files = _staged_list(raw)
+    results: list[dict] = []
+    seen: set[str] = set()
+    _TAKING.add(staging)
+    try:
+        for name, filename in files:
+            raw_path = query_path or filename
+            if not raw_path:
+                raise HTTPFail(400, "missing destination path (no 'path' query and no part filename)"
+                               if multipart else "path is required for a non-multipart upload")
+            path = _resolve(raw_path, user)
+            if path in seen:
+                raise HTTPFail(400, f"path '{path}' is given more than once")
+            seen.add(path)
+            try:
+                fd = await _on_io(_open_staged, f"/{staging}/{name}")
+            except OSError as exc:
+                raise HTTPFail(500, f"the upload staged by the host is not in the sandbox ({exc.strerror})") from None
+            try:
+                results.append(await _receive(state, user, path, _no_chunks(), budget, meta, source=fd))
+            finally:
+                os.close(fd)
+        if multipart and not results:
+            raise HTTPFail(400, "no file part in the request")
+        return results
+    finally:
+        await _on_io(shutil.rmtree, "/" + staging, True)
+        _TAKING.discard(staging)
+
+
+def _host_write(request: web.Request, state: EnvdState) -> str | None:
+    """The host's staged-upload header that applies (HOST_WRITE_HEADER or STAGED_HEADER), if any."""
+    if not state.host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
+        return None
+    if request.headers.get(STAGED_HEADER) is not None:
+        return STAGED_HEADER
+    return HOST_WRITE_HEADER if request.headers.get(HOST_WRITE_HEADER, "").isdigit() else None
+
+
 async def post_files(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     try:
@@ -566,9 +698,20 @@ async def post_files(request: web.Request) -> web.StreamResponse:
         user = files_user(request, state)
         meta = _metadata_headers(request)
         budget = _Budget(state.max_upload)
-        if request.content_length is not None and budget.limit is not None and request.content_length > budget.limit:
+        host = _host_write(request, state)
+        length = int(request.headers[HOST_WRITE_HEADER]) if host == HOST_WRITE_HEADER else request.content_length
+        if length is not None and budget.limit is not None and length > budget.limit:
             raise HTTPFail(413, f"upload exceeds the limit of {budget.limit} bytes")
         query_path = request.query.get("path")
+        if host == HOST_WRITE_HEADER:  # the host may stage it, in a new dir of envd's
+            try:
+                staging = await _on_io(_make_staging_dir)
+            except OSError:
+                staging = ""  # none: the host sends the body here as usual
+            return web.Response(status=204, headers={HOST_WRITE_HEADER: staging})
+        if host == STAGED_HEADER:
+            return web.json_response(await _receive_staged(state, user, query_path, request.headers[STAGED_HEADER],
+                                                           budget, meta))
         results: list[dict] = []
         if request.content_type.startswith("multipart/"):
             reader = await request.multipart()
@@ -580,7 +723,7 @@ async def post_files(request: web.Request) -> web.StreamResponse:
                 if part.name != "file":
                     await _guard_multipart(part.release())
                     continue
-                raw = query_path or _part_filename(part)
+                raw = query_path or part_filename(part)
                 if not raw:
                     raise HTTPFail(400, "missing destination path (no 'path' query and no part filename)")
                 path = _resolve(raw, user)

@@ -119,6 +119,7 @@ async def init(request: web.Request) -> web.Response:
     if host_time is not None:  # a restored microVM's clock lags by the time its image was stored
         clock.sync(host_time)
     state.initialized = True
+    files.sweep_staged_later()
     log.info("initialized (token=%s, %d env vars, user=%s)", bool(state.access_token), len(state.env_vars), state.default_user)
     return web.Response(status=204)
 

@@ -97,7 +97,7 @@ def _port_kind(request: web.BaseRequest) -> str:
 def instrument_proxy(proxy: Any, obs: "Observability") -> None:
     m = obs.metrics
     original = proxy.handle
-    m.count_host_file_sends(lambda: proxy.stats.files_from_host)
+    m.count_host_files(lambda: proxy.stats.files_from_host, lambda: proxy.stats.files_to_host)
 
     @functools.wraps(original)
     async def handle(request: web.Request) -> web.StreamResponse:

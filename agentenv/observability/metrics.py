@@ -97,12 +97,17 @@ class Metrics:
             "agentenv_resource_sampler_duration_seconds",
             "How long the last pass of the sandbox resource sampler took.", registry=r)
 
-    def count_host_file_sends(self, read: Callable[[], int]) -> None:
-        """`agentenv_proxy_host_file_sends_total`, read from the traffic proxy's own count at each scrape."""
+    def count_host_files(self, sends: Callable[[], int], stages: Callable[[], int]) -> None:
+        """The traffic proxy's own counts of downloads sent from the host and uploads staged there,
+        read at each scrape."""
         self.registry.register(_ReadCounter(
             "agentenv_proxy_host_file_sends",
             "Downloads (GET /files) sent from the sandbox's disk on the host instead of through the "
-            "sandbox's network (agentenv/proxy/hostfiles.py).", read))
+            "sandbox's network (agentenv/proxy/hostfiles.py).", sends))
+        self.registry.register(_ReadCounter(
+            "agentenv_proxy_host_file_stages",
+            "Uploads (POST /files) whose body the host wrote into the sandbox's root dir for envd to "
+            "take, instead of sending it through the sandbox's network (agentenv/proxy/hostfiles.py).", stages))
 
     def observe_op(self, operation: str, seconds: float) -> None:
         self.op_duration.labels(operation).observe(seconds)

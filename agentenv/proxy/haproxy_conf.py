@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.constants import ENVD_PORT
+from agentenv.proxy.hostfiles import MIN_BYTES
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,8 @@ def render(layout: HaproxyLayout, *, http_bind: str | None, https_bind: str | No
     """The whole configuration. `http_bind`/`https_bind`: "addr:port" (or None for none);
     `cluster`: the `http_bind` listener speaks mutual TLS (a cluster node's); `hop`: a cluster
     gateway's, whose fast path leads to the sandbox's node instead of into the sandbox; `host_reads`:
-    downloads from envd go to the server, which sends large ones from the host (`hostfiles`)."""
+    downloads from envd, and uploads of at least `MIN_BYTES`, go to the server, which sends large
+    downloads from the host and stages the uploads there (`hostfiles`)."""
     return "\n".join([
         "# Written by agentenv at every start; edits are lost (agentenv/proxy/haproxy_conf.py).",
         "global",
@@ -222,9 +224,12 @@ def _into_sandbox(layout: HaproxyLayout, cluster: ClusterListener | None, host_r
         "    acl jupyter var(txn.port) -m str 49999",
         *(["    use_backend python if !peer_ok"] if cluster is not None else []),
         "    use_backend python if private !envd !token_ok",
-        *(["    acl download method GET",
-           "    acl files_path path /files",
-           "    use_backend python if routed envd download files_path"] if host_reads else []),
+        *(["    acl files_path path /files",
+           "    acl download method GET",
+           "    acl upload method POST",
+           f"    acl big_body req.hdr_val(content-length) ge {MIN_BYTES}",
+           "    use_backend python if routed envd files_path download",
+           "    use_backend python if routed envd files_path upload big_body"] if host_reads else []),
         "    use_backend sandbox_envd if routed port_ok port_ok_range envd",
         "    use_backend sandbox_jupyter if routed port_ok port_ok_range jupyter",
         "    use_backend sandbox_user if routed port_ok port_ok_range",

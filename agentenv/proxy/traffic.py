@@ -23,6 +23,7 @@ import base64
 import errno
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -36,11 +37,13 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import WSMsgType, web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from agentenv.constants import ENVD_PORT
-from agentenv.proxy.hostfiles import HOST_READ_HEADER, MIN_BYTES, HostFiles, open_checked
+from agentenv.proxy.hostfiles import (HOST_READ_HEADER, HOST_WRITE_HEADER, MIN_BYTES, STAGED_HEADER, HostFiles, Stage,
+                                     open_checked, part_filename, write_all)
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,7 @@ _HOP_BY_HOP = frozenset(
 # (it is in envd's environment), so a client presenting it must not reach another sandbox's envd.
 HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"
 _STRIP_REQUEST = frozenset({"x-api-key", "expect", TRAFFIC_TOKEN_HEADER.lower(), HOST_TOKEN_HEADER.lower(),
-                            HOST_READ_HEADER.lower()})
+                            HOST_READ_HEADER.lower(), HOST_WRITE_HEADER.lower(), STAGED_HEADER.lower()})
 # Headers of envd's answer that do not describe the file the host sends.
 _HOST_READ_DROP = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
                              HOST_READ_HEADER.lower()})
@@ -126,6 +129,7 @@ class ProxyStats:
     # upstream_closed, client_disconnect, aborted
     errors: Counter[str] = field(default_factory=Counter)
     files_from_host: int = 0  # downloads sent from the sandbox's disk on the host (`hostfiles`)
+    files_to_host: int = 0    # uploads the host staged in the sandbox's root dir (`hostfiles`)
 
 
 def file_signature(path: str, operation: str, username: str, token: str, expiration: str | None) -> str:
@@ -410,15 +414,20 @@ class TrafficProxy:
             self.stats.bytes_to_sandbox += len(chunk)
             yield chunk
 
-    async def _request(self, request: web.Request, sandbox_id: str, url: URL,
-                       headers: CIMultiDict[str]) -> aiohttp.ClientResponse | web.Response:
-        """Send the request on; a connection that fails before a response is answered here."""
+    async def _request(self, request: web.Request, sandbox_id: str, url: URL, headers: CIMultiDict[str], *,
+                       body: bool = True) -> aiohttp.ClientResponse | web.Response:
+        """Send the request on (`body=False`: without its body); a connection that fails before a
+        response is answered here."""
+        if not body:
+            headers = headers.copy()
+            headers.popall("Content-Length", None)
+            headers.popall("Transfer-Encoding", None)
         try:
             return await self._session(sandbox_id).request(
                 request.method,
                 url,
                 headers=headers,
-                data=self._request_body(request) if request.body_exists else None,
+                data=self._request_body(request) if body and request.body_exists else None,
                 allow_redirects=False,
                 compress=None,
             )
@@ -434,21 +443,32 @@ class TrafficProxy:
             return await self._upstream_failed(request, sandbox_id, exc)
 
     def _shared_root(self, request: web.BaseRequest, target: _Target, url: URL) -> Path | None:
-        """The host's view of the sandbox's rootfs, for a download envd may leave to the host."""
-        if (self._host_files is None or request.method != "GET" or target.port != ENVD_PORT
-                or url.path != "/files" or request.body_exists):
+        """The host's view of the sandbox's rootfs, for a download envd may leave to the host or an
+        upload the host may stage (`hostfiles`)."""
+        if self._host_files is None or target.port != ENVD_PORT or url.path != "/files":
             return None
-        return self._host_files.root_of(target.sandbox_id)
+        if request.method == "GET" and not request.body_exists:
+            return self._host_files.root_of(target.sandbox_id)
+        if request.method == "POST" and (request.content_length or 0) >= MIN_BYTES:
+            return self._host_files.root_of(target.sandbox_id)
+        return None
+
+    def _to_envd_as_host(self, headers: CIMultiDict[str], name: str, value: str) -> CIMultiDict[str]:
+        assert self._host_files is not None
+        asked = headers.copy()
+        asked[name] = value
+        asked[HOST_TOKEN_HEADER] = self._host_files.host_token
+        return asked
 
     async def _proxy_http(self, request: web.Request, flight: _Flight, url: URL,
                           target: _Target) -> web.StreamResponse:
         sandbox_id = flight.sandbox_id
         headers = self._upstream_headers(request, target)
         root = self._shared_root(request, target, url)
-        if root is not None and self._host_files is not None:
-            asked = headers.copy()
-            asked[HOST_READ_HEADER] = str(MIN_BYTES)
-            asked[HOST_TOKEN_HEADER] = self._host_files.host_token
+        if root is not None and request.method == "POST":
+            return await self._upload_through_host(request, flight, url, headers, root)
+        if root is not None:
+            asked = self._to_envd_as_host(headers, HOST_READ_HEADER, str(MIN_BYTES))
             upstream = await self._request(request, sandbox_id, url, asked)
             if isinstance(upstream, web.Response):
                 return upstream
@@ -462,6 +482,77 @@ class TrafficProxy:
         if isinstance(upstream, web.Response):
             return upstream
         return await self._relay(request, flight, upstream)
+
+    async def _upload_through_host(self, request: web.Request, flight: _Flight, url: URL,
+                                   headers: CIMultiDict[str], root: Path) -> web.StreamResponse:
+        """A large upload: envd checks it first, the host writes its body into the sandbox's root dir,
+        envd takes it from there (`hostfiles.Stage`)."""
+        sandbox_id = flight.sandbox_id
+        ask = self._to_envd_as_host(headers, HOST_WRITE_HEADER, str(request.content_length))
+        upstream = await self._request(request, sandbox_id, url, ask, body=False)
+        if isinstance(upstream, web.Response):
+            return upstream
+        if upstream.status != 204 or HOST_WRITE_HEADER not in upstream.headers:
+            return await self._relay(request, flight, upstream)  # envd's refusal (401, 413, ...) as it is
+        staging = upstream.headers[HOST_WRITE_HEADER]
+        upstream.release()
+        try:
+            stage = Stage(root, staging)
+        except OSError as exc:  # no staging dir (envd could not make one): envd takes the body
+            log.info("sandbox %s: cannot stage an upload (%s); sending it to envd", sandbox_id, exc)
+            upstream = await self._request(request, sandbox_id, url, headers)
+            return upstream if isinstance(upstream, web.Response) else await self._relay(request, flight, upstream)
+        handed_over = False
+        try:
+            multipart = request.content_type.startswith("multipart/")
+            try:
+                files = await self._stage_body(request, stage, multipart)
+            except (ValueError, AssertionError) as exc:  # what envd answers for a malformed body
+                return web.json_response({"code": 400, "message": f"malformed multipart body: {exc or type(exc).__name__}"},
+                                         status=400)
+            except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError, HttpProcessingError) as exc:
+                self.stats.errors["client_disconnect"] += 1
+                log.info("upload to sandbox %s ended early: %r", sandbox_id, exc)
+                return _error(400, "The request body ended early", sandbox_id)
+            self.stats.bytes_to_sandbox += request.content_length or 0
+            staged = json.dumps({"multipart": multipart, "dir": stage.dir, "files": files})
+            handed_over = True
+            upstream = await self._request(request, sandbox_id, url,
+                                           self._to_envd_as_host(headers, STAGED_HEADER, staged), body=False)
+            if isinstance(upstream, web.Response):
+                return upstream
+            self.stats.files_to_host += 1
+            return await self._relay(request, flight, upstream)
+        finally:
+            stage.close(handed_over=handed_over)
+
+    @staticmethod
+    async def _stage_body(request: web.Request, stage: Stage, multipart: bool) -> list[dict[str, str | None]]:
+        """Each file of the body into a staged file: [{"name", "filename"}] (a part's verbatim filename)."""
+        if not multipart:
+            fd = stage.create()
+            try:
+                async for piece in request.content.iter_any():
+                    write_all(fd, piece)
+            finally:
+                os.close(fd)
+            return [{"name": stage.names[-1], "filename": None}]
+        files: list[dict[str, str | None]] = []
+        reader = await request.multipart()
+        while True:
+            part = await reader.next()
+            if part is None:
+                return files
+            if part.name != "file":
+                await part.release()
+                continue
+            fd = stage.create()
+            try:
+                while chunk := await part.read_chunk(RELAY_BUFSIZE):
+                    write_all(fd, chunk)
+            finally:
+                os.close(fd)
+            files.append({"name": stage.names[-1], "filename": part_filename(part)})
 
     async def _send_from_host(self, request: web.Request, flight: _Flight, upstream: aiohttp.ClientResponse,
                               root: Path) -> web.StreamResponse | None:

@@ -1,0 +1,291 @@
+"""Large downloads sent from the sandbox's disk on the host, and large uploads staged there
+(agentenv/proxy/hostfiles.py), through the real SDK and signed URLs: the bytes are the sandbox's,
+whatever the sandbox did to the file, an upload lands as any upload does, and a pause in the middle
+of either never costs the sandbox."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from e2b import Sandbox
+
+from e2e_util import new_tag, wait_until
+
+MIB = 1 << 20
+
+
+def counter(server, name: str) -> int:
+    text = requests.get(f"{server.api_url}/metrics", timeout=30).text
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m is not None, f"{name} is missing from /metrics"
+    return int(float(m.group(1)))
+
+
+@pytest.fixture
+def host_sends(server):
+    """The server's count of downloads it sent from the host (its /metrics)."""
+    return lambda: counter(server, "agentenv_proxy_host_file_sends_total")
+
+
+@pytest.fixture
+def host_stages(server):
+    """The server's count of uploads it staged on the host."""
+    return lambda: counter(server, "agentenv_proxy_host_file_stages_total")
+
+
+def staged_leftovers(sbx: Sandbox) -> str:
+    """Staging dirs (and files in them) in the sandbox's root dir."""
+    return sbx.commands.run("ls -a / | grep '^.agentenv-upload-' || true", user="root").stdout
+
+
+def sha_in(sbx: Sandbox, path: str) -> str:
+    return sbx.commands.run(f"sha256sum {path}").stdout.split()[0]
+
+
+def test_large_download_comes_from_the_host_with_the_sandbox_bytes(sbx: Sandbox, host_sends):
+    path = f"/home/user/host-read-{new_tag()}.bin"
+    data = os.urandom(8 * MIB + 12345)
+    sbx.files.write(path, data)
+    before = host_sends()
+    assert bytes(sbx.files.read(path, format="bytes")) == data
+    assert b"".join(sbx.files.read(path, format="stream")) == data
+    r = requests.get(sbx.download_url(path), timeout=60)
+    assert r.status_code == 200 and r.content == data
+    assert r.headers["Content-Type"] == "application/octet-stream"
+    assert r.headers["Content-Disposition"] == f'inline; filename="{os.path.basename(path)}"'
+    assert host_sends() == before + 3
+    # A small file is still envd's to send.
+    sbx.files.write(path, b"small")
+    assert bytes(sbx.files.read(path, format="bytes")) == b"small"
+    assert host_sends() == before + 3
+
+
+def test_writes_the_sandbox_just_made_are_in_the_download(sbx: Sandbox, host_sends):
+    """Bytes written in place by a program still running, and through a shared mapping, are what the
+    host sends: gVisor writes through to the host file."""
+    path = f"/tmp/host-read-{new_tag()}.bin"
+    sbx.commands.run(f"head -c {4 * MIB} /dev/urandom > {path}")
+    before = host_sends()
+    first = bytes(sbx.files.read(path, format="bytes"))
+    assert hashlib.sha256(first).hexdigest() == sha_in(sbx, path)
+    # A writer that keeps the file open (and a mapping of it) while the download happens.
+    writer = sbx.commands.run(
+        "python3 -c \"import mmap,os,sys,time\n"
+        f"f=open('{path}','r+b'); f.seek({MIB}); f.write(b'W'*{MIB}); f.flush()\n"
+        "m=mmap.mmap(f.fileno(),0); m[:4096]=b'M'*4096\n"
+        "print('ready',flush=True); time.sleep(30)\"",
+        background=True)
+    try:
+        deadline = time.monotonic() + 30
+        while b"M" * 4096 != bytes(sbx.files.read(path, format="bytes"))[:4096]:
+            assert time.monotonic() < deadline, "the mapped write never showed"
+            time.sleep(0.2)
+        got = bytes(sbx.files.read(path, format="bytes"))
+        assert got[:4096] == b"M" * 4096
+        assert got[MIB:2 * MIB] == b"W" * MIB
+        assert got[2 * MIB:] == first[2 * MIB:]
+    finally:
+        writer.kill()
+    assert hashlib.sha256(bytes(sbx.files.read(path, format="bytes"))).hexdigest() == sha_in(sbx, path)
+    assert host_sends() > before
+
+
+def test_symlinks_resolve_inside_the_sandbox(sbx: Sandbox, host_sends):
+    """A link to an absolute path, and one climbing with `..`, name the sandbox's file, never the
+    host's file at the same path (this test runs on the server's host and plants one there)."""
+    tag = new_tag()
+    target = f"/var/tmp/agentenv-host-read-{tag}"
+    with open(target, "wb") as f:  # the host's file at the path the links name
+        f.write(b"H" * (2 * MIB))
+    try:
+        sbx.commands.run(f"head -c {2 * MIB} /dev/urandom > {target} && "
+                         f"ln -s {target} /home/user/abs-{tag} && "
+                         f"ln -s ../../../../../../..{target} /home/user/up-{tag}")
+        want = sha_in(sbx, target)
+        before = host_sends()
+        for link in (f"/home/user/abs-{tag}", f"/home/user/up-{tag}"):
+            got = bytes(sbx.files.read(link, format="bytes"))
+            assert len(got) == 2 * MIB and hashlib.sha256(got).hexdigest() == want
+        assert host_sends() == before + 2
+    finally:
+        os.unlink(target)
+
+
+def test_files_on_other_mounts_come_from_envd(sbx: Sandbox, host_sends):
+    """/dev/shm is a tmpfs of the sandbox's own: the host has no view of it, envd sends the bytes."""
+    path = f"/dev/shm/host-read-{new_tag()}.bin"
+    sbx.commands.run(f"head -c {3 * MIB} /dev/urandom > {path}")
+    before = host_sends()
+    got = bytes(sbx.files.read(path, format="bytes"))
+    assert len(got) == 3 * MIB and hashlib.sha256(got).hexdigest() == sha_in(sbx, path)
+    assert host_sends() == before
+
+
+def test_client_header_cannot_ask_envd_for_a_host_read(sbx: Sandbox):
+    path = f"/home/user/host-read-{new_tag()}.bin"
+    data = os.urandom(2 * MIB)
+    sbx.files.write(path, data)
+    r = requests.get(sbx.download_url(path), headers={"X-Agentenv-Host-Read": "0"}, timeout=60)
+    assert r.status_code == 200 and r.content == data
+
+
+def test_pause_during_a_host_download_keeps_the_sandbox(sandbox_factory):
+    """A slow client holds a download from the host open; pausing the sandbox cuts it (as it cuts any
+    stream into a sandbox) and the sandbox pauses, resumes and still has the file."""
+    sbx = sandbox_factory.create()
+    path = "/home/user/slow.bin"
+    sbx.commands.run(f"head -c {64 * MIB} /dev/urandom > {path}")
+    want = sha_in(sbx, path)
+    received = []
+    started = threading.Event()
+
+    def slow_client() -> None:
+        try:
+            with requests.get(sbx.download_url(path), stream=True, timeout=120) as r:
+                for chunk in r.iter_content(64 * 1024):
+                    received.append(len(chunk))
+                    started.set()
+                    time.sleep(0.05)
+        except requests.RequestException:
+            pass
+        finally:
+            started.set()
+
+    t = threading.Thread(target=slow_client, daemon=True)
+    t.start()
+    assert started.wait(60)
+    assert sbx.pause() is True
+    t.join(120)
+    assert not t.is_alive()
+    assert sum(received) < 64 * MIB, "the download should have been cut by the pause"
+    # Nothing holds the paused sandbox's rootfs: it is unmounted once the pause stood the sandbox down.
+    wait_until(lambda: f"/sandboxes/{sbx.sandbox_id}/rootfs " not in Path("/proc/mounts").read_text(),
+               "the paused sandbox's rootfs to be unmounted")
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    assert sha_in(resumed, path) == want
+    got = bytes(resumed.files.read(path, format="bytes"))
+    assert hashlib.sha256(got).hexdigest() == want
+
+
+# ---- uploads -----------------------------------------------------------------------------------------
+
+
+def test_large_upload_is_staged_and_lands_as_any_upload(sbx: Sandbox, host_stages):
+    path = f"/home/user/host-write-{new_tag()}.bin"
+    data = os.urandom(8 * MIB + 777)
+    before = host_stages()
+    info = sbx.files.write(path, data)
+    assert info.path == path and info.name == os.path.basename(path)
+    assert sha_in(sbx, path) == hashlib.sha256(data).hexdigest()
+    assert sbx.commands.run(f"stat -c '%U %a' {path}").stdout == "user 644\n"
+    # An overwrite keeps the file (its mode, its inode), as envd's own uploads do.
+    sbx.commands.run(f"chmod 755 {path}")
+    inode = sbx.commands.run(f"stat -c %i {path}").stdout
+    again = os.urandom(3 * MIB)
+    sbx.files.write(path, again)
+    assert sha_in(sbx, path) == hashlib.sha256(again).hexdigest()
+    assert sbx.commands.run(f"stat -c '%U %a %i' {path}").stdout == f"user 755 {inode}"
+    # A raw (octet-stream) upload through a signed URL.
+    raw = f"/home/user/host-write-raw-{new_tag()}.bin"
+    r = requests.post(sbx.upload_url(raw), data=again, headers={"Content-Type": "application/octet-stream"},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == [{"name": os.path.basename(raw), "path": raw, "type": "file"}]
+    assert sha_in(sbx, raw) == hashlib.sha256(again).hexdigest()
+    assert host_stages() == before + 3
+    assert staged_leftovers(sbx) == ""
+    # A small one is still envd's to take.
+    sbx.files.write(path, b"small")
+    assert host_stages() == before + 3 and sbx.files.read(path) == "small"
+
+
+def test_several_files_in_one_upload(server, sbx: Sandbox, host_stages):
+    """A multipart body with two file parts (destinations in their filenames) and another part."""
+    tag = new_tag()
+    one, two = os.urandom(MIB), os.urandom(2 * MIB)
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id}
+    if sbx._envd_access_token:
+        headers["X-Access-Token"] = sbx._envd_access_token
+    before = host_stages()
+    r = requests.post(f"{server.api_url}/files?username=user", headers=headers, timeout=60,
+                      files=[("file", (f"/home/user/{tag}/one.bin", one)), ("note", ("n.txt", b"skip me")),
+                             ("file", (f"/home/user/{tag}/sub/two.bin", two))])
+    assert r.status_code == 200, r.text
+    assert [e["path"] for e in r.json()] == [f"/home/user/{tag}/one.bin", f"/home/user/{tag}/sub/two.bin"]
+    assert sha_in(sbx, f"/home/user/{tag}/one.bin") == hashlib.sha256(one).hexdigest()
+    assert sha_in(sbx, f"/home/user/{tag}/sub/two.bin") == hashlib.sha256(two).hexdigest()
+    assert sbx.commands.run(f"stat -c %U /home/user/{tag}/sub").stdout == "user\n"
+    assert host_stages() == before + 1
+    # The same destination twice: envd's 400, and neither file written.
+    r = requests.post(f"{server.api_url}/files?username=user", headers=headers, timeout=60,
+                      files=[("file", (f"/home/user/{tag}/dup.bin", one)), ("file", (f"/home/user/{tag}/dup.bin", two))])
+    assert r.status_code == 400 and "more than once" in r.json()["message"], r.text
+    assert staged_leftovers(sbx) == ""
+
+
+def test_refused_uploads_stage_nothing(sbx: Sandbox, host_stages):
+    tag = new_tag()
+    data = os.urandom(2 * MIB)
+    before = host_stages()
+    # A signature for another path: envd refuses before any byte is staged.
+    forged = sbx.upload_url(f"/home/user/other-{tag}.bin").replace("other-", "target-")
+    r = requests.post(forged, data=data, headers={"Content-Type": "application/octet-stream"}, timeout=60)
+    assert r.status_code == 401, r.text
+    assert not sbx.files.exists(f"/home/user/target-{tag}.bin")
+    # A destination the user may not write: staged, then refused by envd as any upload is.
+    with pytest.raises(Exception) as info:
+        sbx.files.write(f"/root/denied-{tag}.bin", data)
+    assert "ermission" in str(info.value), info.value
+    assert "No such file" in sbx.commands.run(f"ls /root/denied-{tag}.bin 2>&1 || true", user="root").stdout
+    assert host_stages() == before + 1
+    assert staged_leftovers(sbx) == ""
+
+
+def test_pause_during_a_staged_upload_keeps_the_sandbox(sandbox_factory):
+    """A slow client is half way through a large upload when the sandbox pauses: the upload fails, the
+    sandbox pauses, resumes and works, and neither the destination nor staged bytes are left."""
+    sbx = sandbox_factory.create()
+    path = "/home/user/slow-upload.bin"
+    size = 32 * MIB
+    sent = threading.Event()
+    outcome: list[object] = []
+
+    def body():
+        piece = os.urandom(256 * 1024)
+        for i in range(size // len(piece)):
+            yield piece
+            if i == 8:
+                sent.set()
+            time.sleep(0.02)
+
+    def slow_client() -> None:
+        try:
+            r = requests.post(sbx.upload_url(path), data=body(), timeout=120,
+                              headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
+            outcome.append(r.status_code)
+        except requests.RequestException as exc:
+            outcome.append(exc)
+        finally:
+            sent.set()
+
+    t = threading.Thread(target=slow_client, daemon=True)
+    t.start()
+    assert sent.wait(60)
+    assert sbx.pause() is True
+    t.join(120)
+    assert not t.is_alive() and outcome and outcome[0] != 200, outcome
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    assert not resumed.files.exists(path)
+    # No staged bytes: the host removed what it had written (an empty staging dir is envd's to sweep).
+    files = resumed.commands.run("find / -maxdepth 2 -path '/.agentenv-upload-*/*' 2>/dev/null || true",
+                                 user="root").stdout
+    assert files == "", files
+    resumed.files.write(path, os.urandom(2 * MIB))
+    assert resumed.files.get_info(path).size == 2 * MIB
