@@ -134,9 +134,6 @@ class SandboxHost:
             return None
         return self.rootfs.rootfs_path(sandbox_id)
 
-    def shares_any_rootfs(self) -> bool:
-        return any(rt.traits.shares_rootfs for rt in self.runtimes.values())
-
     async def close(self) -> None:
         while self._background:  # e.g. a cancelled caller's teardown (shutdown during a warm build)
             await asyncio.gather(*(t for _, t in self._background.values()), return_exceptions=True)

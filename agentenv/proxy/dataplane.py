@@ -110,7 +110,7 @@ def make(settings: Settings, chosen: Plan, orch: Any, *, source: Any = None,
     return DataPlane(chosen.haproxy, layout(settings), source or OrchestratorRoutes(orch), http_bind=http_bind,
                      https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None,
                      threads=settings.haproxy_threads, cluster=cluster, external=settings.haproxy_external,
-                     host_reads=orch.host.shares_any_rootfs())
+                     host_reads=any(rt.traits.shares_rootfs for rt in orch.host.runtimes.values()))
 
 
 def attach(dp: DataPlane, orch: Any) -> None:

@@ -24,21 +24,39 @@ host's, whatever envd (a program in the sandbox) answered.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
+import json
+import logging
 import os
 import stat
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict
 
 from agentenv.envd.files import HOST_READ_HEADER, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PREFIX, part_filename
 
-__all__ = ["HOST_READ_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles", "Stage",
-           "open_checked", "open_in_root", "part_filename"]
+__all__ = ["HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
+           "HostTransfer",
+           "Stage", "open_checked", "open_in_root"]
+
+log = logging.getLogger(__name__)
 
 # Below this a download or upload goes through envd as before: the bytes are few.
 MIN_BYTES = 1 << 20
+HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"  # envd's name for it: agentenv/envd/state.py
+# Headers of envd's answer to a host read that do not describe the file the host sends.
+_NOT_THE_FILES = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
+                            HOST_READ_HEADER.lower()})
+# How much of a multipart file part is read at once while staging it.
+_PART_CHUNK = 1 << 20
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (it postdates the split tables)
 _RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_IN_ROOT = 0x01, 0x02, 0x10
@@ -137,3 +155,151 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+Send = Callable[..., Awaitable["aiohttp.ClientResponse | web.Response"]]
+
+
+@dataclass
+class HostTransfer:
+    """One `/files` request of a client that the host takes part in (the traffic proxy makes one per
+    request and hands it the ways to reach envd): `send(headers, body=True)` sends the request on with
+    those headers (without its body if `body` is false; a connection that failed is answered);
+    `relay(upstream)` answers the client with envd's response; `started(response)` is told of a
+    response whose headers are out; `stats` is the proxy's `ProxyStats`."""
+
+    request: web.Request
+    sandbox_id: str
+    root: Path
+    host_token: str
+    send: Send
+    relay: Callable[[aiohttp.ClientResponse], Awaitable[web.StreamResponse]]
+    stats: Any
+    started: Callable[[web.StreamResponse], None]
+
+    def _as_host(self, headers: CIMultiDict[str], name: str, value: str) -> CIMultiDict[str]:
+        asked = headers.copy()
+        asked[name] = value
+        asked[HOST_TOKEN_HEADER] = self.host_token
+        return asked
+
+    async def download(self, headers: CIMultiDict[str]) -> web.StreamResponse:
+        upstream = await self.send(self._as_host(headers, HOST_READ_HEADER, str(MIN_BYTES)))
+        if isinstance(upstream, web.Response):
+            return upstream
+        if not upstream.headers.get(HOST_READ_HEADER):
+            return await self.relay(upstream)
+        sent = await self._send_file(upstream)
+        if sent is not None:
+            return sent
+        # Not the file envd described (it changed meanwhile, or is not below the rootfs): envd sends it.
+        upstream = await self.send(headers)
+        return upstream if isinstance(upstream, web.Response) else await self.relay(upstream)
+
+    async def _send_file(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse | None:
+        """Send the file envd described from the host; None if it is not that file."""
+        try:
+            info = await upstream.json()
+            path, size, headers = str(info["path"]), int(info["size"]), dict(info["headers"])
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+            log.info("sandbox %s: unusable answer to a host read: %r", self.sandbox_id, exc)
+            return None
+        finally:
+            upstream.release()
+        # Inline, not on a thread: a pause cancelling this task must never leave an fd open on the
+        # rootfs it is about to unmount (a few path-lookup syscalls on the host).
+        fd = open_checked(self.root, path, size)
+        if fd is None:
+            return None
+        try:
+            response = web.StreamResponse(status=200)
+            for key, value in headers.items():
+                if key.lower() not in _NOT_THE_FILES:
+                    response.headers[key] = str(value)
+            response.content_length = size
+            self.started(response)
+            try:
+                await response.prepare(self.request)
+                if self.request.transport is None:
+                    raise ConnectionResetError("client gone")
+                with os.fdopen(fd, "rb", buffering=0, closefd=False) as fobj:
+                    await asyncio.get_running_loop().sendfile(self.request.transport, fobj, 0, size)
+                await response.write_eof()
+            except ConnectionError:
+                self.stats.errors["client_disconnect"] += 1
+                return response
+            self.stats.files_from_host += 1
+            self.stats.bytes_from_sandbox += size
+            return response
+        finally:
+            os.close(fd)
+
+    async def upload(self, headers: CIMultiDict[str]) -> web.StreamResponse:
+        """envd checks the upload first, the host writes its body into the staging dir envd made for
+        it, envd takes it from there."""
+        request = self.request
+        upstream = await self.send(self._as_host(headers, HOST_WRITE_HEADER, str(request.content_length)), body=False)
+        if isinstance(upstream, web.Response):
+            return upstream
+        if upstream.status != 204 or HOST_WRITE_HEADER not in upstream.headers:
+            return await self.relay(upstream)  # envd's refusal (401, 413, ...) as it is
+        staging = upstream.headers[HOST_WRITE_HEADER]
+        upstream.release()
+        try:
+            stage = Stage(self.root, staging)
+        except OSError as exc:  # no staging dir (envd could not make one): envd takes the body
+            log.info("sandbox %s: cannot stage an upload (%s); sending it to envd", self.sandbox_id, exc)
+            upstream = await self.send(headers)
+            return upstream if isinstance(upstream, web.Response) else await self.relay(upstream)
+        handed_over = False
+        try:
+            multipart = request.content_type.startswith("multipart/")
+            try:
+                files = await _stage_body(request, stage, multipart)
+            except (ValueError, AssertionError) as exc:  # what envd answers for a malformed body
+                message = f"malformed multipart body: {exc or type(exc).__name__}"
+                return web.json_response({"code": 400, "message": message}, status=400)
+            except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError, HttpProcessingError) as exc:
+                self.stats.errors["client_disconnect"] += 1
+                log.info("upload to sandbox %s ended early: %r", self.sandbox_id, exc)
+                return web.json_response({"sandboxId": self.sandbox_id, "message": "The request body ended early",
+                                          "code": 400}, status=400)
+            self.stats.bytes_to_sandbox += request.content_length or 0
+            staged = json.dumps({"multipart": multipart, "dir": stage.dir, "files": files})
+            handed_over = True
+            upstream = await self.send(self._as_host(headers, STAGED_HEADER, staged), body=False)
+            if isinstance(upstream, web.Response):
+                return upstream
+            self.stats.files_to_host += 1
+            return await self.relay(upstream)
+        finally:
+            stage.close(handed_over=handed_over)
+
+
+async def _stage_body(request: web.Request, stage: Stage, multipart: bool) -> list[dict[str, str | None]]:
+    """Each file of the body into a staged file: [{"name", "filename"}] (a part's verbatim filename;
+    parts not named "file" are skipped, as envd skips them)."""
+    if not multipart:
+        fd = stage.create()
+        try:
+            async for piece in request.content.iter_any():
+                write_all(fd, piece)
+        finally:
+            os.close(fd)
+        return [{"name": stage.names[-1], "filename": None}]
+    files: list[dict[str, str | None]] = []
+    reader = await request.multipart()
+    while True:
+        part = await reader.next()
+        if part is None:
+            return files
+        if not isinstance(part, aiohttp.BodyPartReader) or part.name != "file":
+            await part.release()
+            continue
+        fd = stage.create()
+        try:
+            while chunk := await part.read_chunk(_PART_CHUNK):
+                write_all(fd, chunk)
+        finally:
+            os.close(fd)
+        files.append({"name": stage.names[-1], "filename": part_filename(part)})

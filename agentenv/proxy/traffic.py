@@ -23,9 +23,7 @@ import base64
 import errno
 import hashlib
 import hmac
-import json
 import logging
-import os
 import re
 import socket
 import struct
@@ -37,13 +35,12 @@ from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import WSMsgType, web
-from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from agentenv.constants import ENVD_PORT
-from agentenv.proxy.hostfiles import (HOST_READ_HEADER, HOST_WRITE_HEADER, MIN_BYTES, STAGED_HEADER, HostFiles, Stage,
-                                     open_checked, part_filename, write_all)
+from agentenv.proxy.hostfiles import (HOST_READ_HEADER, HOST_TOKEN_HEADER, HOST_WRITE_HEADER, MIN_BYTES, STAGED_HEADER,
+                                     HostFiles, HostTransfer)
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +74,12 @@ _HOP_BY_HOP = frozenset(
 )
 # Never forwarded upstream: the API key is not a data-plane credential, the traffic token is ours
 # (checked here, of no use to the sandbox), and Expect was already answered by our own listener.
-# The host token is the orchestrator's credential for envd (re-init, connection checks); it goes
-# straight from the orchestrator to envd, never through here. Code inside any sandbox can read it
-# (it is in envd's environment), so a client presenting it must not reach another sandbox's envd.
-HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"
+# The host token is the orchestrator's credential for envd (re-init, connection checks); only the
+# host adds it here, to its own requests (`hostfiles`). Code inside any sandbox can read it (it is in
+# envd's environment), so a client presenting it must not reach another sandbox's envd; nor may a
+# client send the host's own requests to envd (the host-read, host-write and staged headers).
 _STRIP_REQUEST = frozenset({"x-api-key", "expect", TRAFFIC_TOKEN_HEADER.lower(), HOST_TOKEN_HEADER.lower(),
                             HOST_READ_HEADER.lower(), HOST_WRITE_HEADER.lower(), STAGED_HEADER.lower()})
-# Headers of envd's answer that do not describe the file the host sends.
-_HOST_READ_DROP = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
-                             HOST_READ_HEADER.lower()})
 # Headers aiohttp's client would otherwise invent; we forward exactly what the client sent.
 _NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
 _WS_HANDSHAKE = frozenset(
@@ -453,145 +447,26 @@ class TrafficProxy:
             return self._host_files.root_of(target.sandbox_id)
         return None
 
-    def _to_envd_as_host(self, headers: CIMultiDict[str], name: str, value: str) -> CIMultiDict[str]:
-        assert self._host_files is not None
-        asked = headers.copy()
-        asked[name] = value
-        asked[HOST_TOKEN_HEADER] = self._host_files.host_token
-        return asked
-
     async def _proxy_http(self, request: web.Request, flight: _Flight, url: URL,
                           target: _Target) -> web.StreamResponse:
         sandbox_id = flight.sandbox_id
         headers = self._upstream_headers(request, target)
         root = self._shared_root(request, target, url)
-        if root is not None and request.method == "POST":
-            return await self._upload_through_host(request, flight, url, headers, root)
-        if root is not None:
-            asked = self._to_envd_as_host(headers, HOST_READ_HEADER, str(MIN_BYTES))
-            upstream = await self._request(request, sandbox_id, url, asked)
-            if isinstance(upstream, web.Response):
-                return upstream
-            if not upstream.headers.get(HOST_READ_HEADER):
-                return await self._relay(request, flight, upstream)
-            sent = await self._send_from_host(request, flight, upstream, root)
-            if sent is not None:
-                return sent
-            # Not the file envd described (it changed meanwhile, or is not below the rootfs): envd sends it.
+        if root is not None and self._host_files is not None:
+            async def send(to_envd: CIMultiDict[str], body: bool = True) -> aiohttp.ClientResponse | web.Response:
+                return await self._request(request, sandbox_id, url, to_envd, body=body)
+
+            def started(response: web.StreamResponse) -> None:
+                flight.response = response
+
+            transfer = HostTransfer(request, sandbox_id, root, self._host_files.host_token, send=send,
+                                    relay=lambda upstream: self._relay(request, flight, upstream),
+                                    stats=self.stats, started=started)
+            return await (transfer.upload(headers) if request.method == "POST" else transfer.download(headers))
         upstream = await self._request(request, sandbox_id, url, headers)
         if isinstance(upstream, web.Response):
             return upstream
         return await self._relay(request, flight, upstream)
-
-    async def _upload_through_host(self, request: web.Request, flight: _Flight, url: URL,
-                                   headers: CIMultiDict[str], root: Path) -> web.StreamResponse:
-        """A large upload: envd checks it first, the host writes its body into the sandbox's root dir,
-        envd takes it from there (`hostfiles.Stage`)."""
-        sandbox_id = flight.sandbox_id
-        ask = self._to_envd_as_host(headers, HOST_WRITE_HEADER, str(request.content_length))
-        upstream = await self._request(request, sandbox_id, url, ask, body=False)
-        if isinstance(upstream, web.Response):
-            return upstream
-        if upstream.status != 204 or HOST_WRITE_HEADER not in upstream.headers:
-            return await self._relay(request, flight, upstream)  # envd's refusal (401, 413, ...) as it is
-        staging = upstream.headers[HOST_WRITE_HEADER]
-        upstream.release()
-        try:
-            stage = Stage(root, staging)
-        except OSError as exc:  # no staging dir (envd could not make one): envd takes the body
-            log.info("sandbox %s: cannot stage an upload (%s); sending it to envd", sandbox_id, exc)
-            upstream = await self._request(request, sandbox_id, url, headers)
-            return upstream if isinstance(upstream, web.Response) else await self._relay(request, flight, upstream)
-        handed_over = False
-        try:
-            multipart = request.content_type.startswith("multipart/")
-            try:
-                files = await self._stage_body(request, stage, multipart)
-            except (ValueError, AssertionError) as exc:  # what envd answers for a malformed body
-                return web.json_response({"code": 400, "message": f"malformed multipart body: {exc or type(exc).__name__}"},
-                                         status=400)
-            except (ConnectionError, aiohttp.ClientError, asyncio.IncompleteReadError, HttpProcessingError) as exc:
-                self.stats.errors["client_disconnect"] += 1
-                log.info("upload to sandbox %s ended early: %r", sandbox_id, exc)
-                return _error(400, "The request body ended early", sandbox_id)
-            self.stats.bytes_to_sandbox += request.content_length or 0
-            staged = json.dumps({"multipart": multipart, "dir": stage.dir, "files": files})
-            handed_over = True
-            upstream = await self._request(request, sandbox_id, url,
-                                           self._to_envd_as_host(headers, STAGED_HEADER, staged), body=False)
-            if isinstance(upstream, web.Response):
-                return upstream
-            self.stats.files_to_host += 1
-            return await self._relay(request, flight, upstream)
-        finally:
-            stage.close(handed_over=handed_over)
-
-    @staticmethod
-    async def _stage_body(request: web.Request, stage: Stage, multipart: bool) -> list[dict[str, str | None]]:
-        """Each file of the body into a staged file: [{"name", "filename"}] (a part's verbatim filename)."""
-        if not multipart:
-            fd = stage.create()
-            try:
-                async for piece in request.content.iter_any():
-                    write_all(fd, piece)
-            finally:
-                os.close(fd)
-            return [{"name": stage.names[-1], "filename": None}]
-        files: list[dict[str, str | None]] = []
-        reader = await request.multipart()
-        while True:
-            part = await reader.next()
-            if part is None:
-                return files
-            if part.name != "file":
-                await part.release()
-                continue
-            fd = stage.create()
-            try:
-                while chunk := await part.read_chunk(RELAY_BUFSIZE):
-                    write_all(fd, chunk)
-            finally:
-                os.close(fd)
-            files.append({"name": stage.names[-1], "filename": part_filename(part)})
-
-    async def _send_from_host(self, request: web.Request, flight: _Flight, upstream: aiohttp.ClientResponse,
-                              root: Path) -> web.StreamResponse | None:
-        """Send the file envd described from the host (`hostfiles`); None if it is not that file."""
-        try:
-            info = await upstream.json()
-            path, size, headers = str(info["path"]), int(info["size"]), dict(info["headers"])
-        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
-            log.info("sandbox %s: unusable answer to a host read: %r", flight.sandbox_id, exc)
-            return None
-        finally:
-            upstream.release()
-        # Inline, not on a thread: a pause cancelling this task must never leave an fd open on the
-        # rootfs it is about to unmount (a few path-lookup syscalls on the host).
-        fd = open_checked(root, path, size)
-        if fd is None:
-            return None
-        try:
-            response = web.StreamResponse(status=200)
-            for key, value in headers.items():
-                if key.lower() not in _HOST_READ_DROP:
-                    response.headers[key] = str(value)
-            response.content_length = size
-            flight.response = response
-            try:
-                await response.prepare(request)
-                if request.transport is None:
-                    raise ConnectionResetError("client gone")
-                with os.fdopen(fd, "rb", buffering=0, closefd=False) as fobj:
-                    await asyncio.get_running_loop().sendfile(request.transport, fobj, 0, size)
-                await response.write_eof()
-            except ConnectionError:
-                self.stats.errors["client_disconnect"] += 1
-                return response
-            self.stats.files_from_host += 1
-            self.stats.bytes_from_sandbox += size
-            return response
-        finally:
-            os.close(fd)
 
     async def _relay(self, request: web.Request, flight: _Flight,
                      upstream: aiohttp.ClientResponse) -> web.StreamResponse:

@@ -45,6 +45,16 @@ def staged_leftovers(sbx: Sandbox) -> str:
     return sbx.commands.run("ls -a / | grep '^.agentenv-upload-' || true", user="root").stdout
 
 
+def pause_during(sbx: Sandbox, client, begun: threading.Event) -> None:
+    """Run `client` on a thread, pause the sandbox once `begun` is set, wait for the client to end."""
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    assert begun.wait(60)
+    assert sbx.pause() is True
+    t.join(120)
+    assert not t.is_alive()
+
+
 def sha_in(sbx: Sandbox, path: str) -> str:
     return sbx.commands.run(f"sha256sum {path}").stdout.split()[0]
 
@@ -158,12 +168,7 @@ def test_pause_during_a_host_download_keeps_the_sandbox(sandbox_factory):
         finally:
             started.set()
 
-    t = threading.Thread(target=slow_client, daemon=True)
-    t.start()
-    assert started.wait(60)
-    assert sbx.pause() is True
-    t.join(120)
-    assert not t.is_alive()
+    pause_during(sbx, slow_client, started)
     assert sum(received) < 64 * MIB, "the download should have been cut by the pause"
     # Nothing holds the paused sandbox's rootfs: it is unmounted once the pause stood the sandbox down.
     wait_until(lambda: f"/sandboxes/{sbx.sandbox_id}/rootfs " not in Path("/proc/mounts").read_text(),
@@ -275,12 +280,8 @@ def test_pause_during_a_staged_upload_keeps_the_sandbox(sandbox_factory):
         finally:
             sent.set()
 
-    t = threading.Thread(target=slow_client, daemon=True)
-    t.start()
-    assert sent.wait(60)
-    assert sbx.pause() is True
-    t.join(120)
-    assert not t.is_alive() and outcome and outcome[0] != 200, outcome
+    pause_during(sbx, slow_client, sent)
+    assert outcome and outcome[0] != 200, outcome
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
     assert not resumed.files.exists(path)
     # No staged bytes: the host removed what it had written (an empty staging dir is envd's to sweep).
