@@ -54,14 +54,16 @@ _XATTR_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP)
 # The host's data plane (`agentenv.proxy.hostfiles`), with the host token, asks with these headers:
 # - HOST_READ_HEADER: whether it may send a download from the sandbox's disk itself (the value is the
 #   smallest size worth it);
-# - HOST_WRITE_HEADER: whether an upload of that many bytes may be staged (credentials, user, size);
+# - HOST_WRITE_HEADER (to STAGED_PATH): whether an upload of that many bytes may be staged
+#   (credentials, user, size);
 #   envd answers with a new, empty directory in "/" for it (the header's value: its name);
-# - STAGED_HEADER: to take an upload whose body the host wrote to files in that directory
+# - STAGED_HEADER (to STAGED_PATH): to take an upload whose body the host wrote to files in that directory
 #   (JSON: {"multipart": bool, "dir": name, "files": [{"name": "<n>", "filename": str | null}]}).
 # The directory is envd's own and new: gVisor, which caches a directory's listing once a program read
 # it and then answers lookups of other names with ENOENT, has no listing of it to hide the host's files.
 HOST_READ_HEADER = "X-Agentenv-Host-Read"
 HOST_WRITE_HEADER = "X-Agentenv-Host-Write"
+STAGED_PATH = "/agentenv/files"  # where the host sends the last two (`post_staged`)
 STAGED_HEADER = "X-Agentenv-Staged"
 STAGED_PREFIX = ".agentenv-upload-"
 _STAGED_DIR = re.compile(r"^\.agentenv-upload-[0-9a-f]{32}$")
@@ -443,7 +445,8 @@ async def get_files(request: web.Request) -> web.StreamResponse:
             # The response's headers and the file's canonical path: the host opens it in the sandbox's
             # root (never outside it) and checks it is the same size before sending it.
             return web.json_response(
-                {"path": await _on_io(os.path.realpath, path), "size": size, "headers": dict(resp.headers)},
+                {"path": await _on_io(os.path.realpath, path), "size": size, "mtime": st.st_mtime,
+                 "headers": dict(resp.headers)},
                 headers={HOST_READ_HEADER: "1"})
         else:
             resp.content_length = size
@@ -682,13 +685,40 @@ async def _receive_staged(state: EnvdState, user: User, query_path: str | None, 
         _TAKING.discard(staging)
 
 
-def _host_write(request: web.Request, state: EnvdState) -> str | None:
-    """The host's staged-upload header that applies (HOST_WRITE_HEADER or STAGED_HEADER), if any."""
-    if not state.host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
-        return None
-    if request.headers.get(STAGED_HEADER) is not None:
-        return STAGED_HEADER
-    return HOST_WRITE_HEADER if request.headers.get(HOST_WRITE_HEADER, "").isdigit() else None
+async def post_staged(request: web.Request) -> web.StreamResponse:
+    """`POST /agentenv/files` (`STAGED_PATH`), the host's half of an upload it stages
+    (`agentenv.proxy.hostfiles`), with the upload's own query and credentials plus the host token:
+    - with `HOST_WRITE_HEADER: <length>`, the checks `POST /files` makes before reading a body, then a
+      new staging dir (204, its name in the same header; "" if none could be made);
+    - with `STAGED_HEADER`, the upload itself, taken from the staged files: `POST /files`'s answer.
+    Every answer to the first carries `HOST_WRITE_HEADER`, so that the host tells it from the 404 of an
+    envd without this route (a sandbox restored from an older image) and sends the body itself."""
+    state = get_state(request)
+    staged = request.headers.get(STAGED_HEADER)
+    try:
+        if not state.host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
+            raise HTTPFail(401, UNAUTHORIZED_MESSAGE)
+        check_access(request, state, "write")
+        user = files_user(request, state)
+        meta = _metadata_headers(request)
+        budget = _Budget(state.max_upload)
+        if staged is not None:
+            return web.json_response(await _receive_staged(state, user, request.query.get("path"), staged, budget, meta))
+        length = request.headers.get(HOST_WRITE_HEADER, "")
+        if not length.isdigit():
+            raise HTTPFail(400, f"{HOST_WRITE_HEADER} must be the upload's length")
+        if budget.limit is not None and int(length) > budget.limit:
+            raise HTTPFail(413, f"upload exceeds the limit of {budget.limit} bytes")
+        try:
+            staging = await _on_io(_make_staging_dir)
+        except OSError:
+            staging = ""  # none: the host sends the body to `POST /files` as usual
+        return web.Response(status=204, headers={HOST_WRITE_HEADER: staging})
+    except HTTPFail as fail:
+        response = fail.response()
+        if staged is None:
+            response.headers[HOST_WRITE_HEADER] = "refused"
+        return response
 
 
 async def post_files(request: web.Request) -> web.StreamResponse:
@@ -698,20 +728,9 @@ async def post_files(request: web.Request) -> web.StreamResponse:
         user = files_user(request, state)
         meta = _metadata_headers(request)
         budget = _Budget(state.max_upload)
-        host = _host_write(request, state)
-        length = int(request.headers[HOST_WRITE_HEADER]) if host == HOST_WRITE_HEADER else request.content_length
-        if length is not None and budget.limit is not None and length > budget.limit:
+        if request.content_length is not None and budget.limit is not None and request.content_length > budget.limit:
             raise HTTPFail(413, f"upload exceeds the limit of {budget.limit} bytes")
         query_path = request.query.get("path")
-        if host == HOST_WRITE_HEADER:  # the host may stage it, in a new dir of envd's
-            try:
-                staging = await _on_io(_make_staging_dir)
-            except OSError:
-                staging = ""  # none: the host sends the body here as usual
-            return web.Response(status=204, headers={HOST_WRITE_HEADER: staging})
-        if host == STAGED_HEADER:
-            return web.json_response(await _receive_staged(state, user, query_path, request.headers[STAGED_HEADER],
-                                                           budget, meta))
         results: list[dict] = []
         if request.content_type.startswith("multipart/"):
             reader = await request.multipart()
@@ -746,3 +765,4 @@ async def post_files(request: web.Request) -> web.StreamResponse:
 def add_routes(app: web.Application) -> None:
     app.router.add_get("/files", get_files)
     app.router.add_post("/files", post_files)
+    app.router.add_post(STAGED_PATH, post_staged)

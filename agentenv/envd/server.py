@@ -33,7 +33,8 @@ log = logging.getLogger("agentenv.envd")
 # Effectively "never": envd must not be the side that closes an idle connection (see module docstring).
 KEEPALIVE_TIMEOUT = 10.0**9
 LINGERING_TIME = 3600.0
-_OPEN_PATHS = {"/health", "/files", "/init", "/agentenv/connections"}  # the last checks the host token
+# /files checks a signature or the token itself; the last two check the host token
+_OPEN_PATHS = {"/health", "/files", "/init", "/agentenv/connections", files.STAGED_PATH}
 
 _CORS = {
     "Access-Control-Allow-Origin": "*",

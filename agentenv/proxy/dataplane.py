@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from agentenv.config import Settings
+from agentenv.proxy import hostfiles
 from agentenv.proxy.haproxy import DataPlane, HaproxyLayout, haproxy_binary, release_sock_dir, sock_dir_for
 from agentenv.proxy.haproxy_conf import SANDBOX_BACKENDS, ClusterListener
 from agentenv.proxy.tls import TlsFiles, prepare
@@ -110,7 +111,7 @@ def make(settings: Settings, chosen: Plan, orch: Any, *, source: Any = None,
     return DataPlane(chosen.haproxy, layout(settings), source or OrchestratorRoutes(orch), http_bind=http_bind,
                      https_bind=settings.https_bind, cert=chosen.tls.pem if chosen.tls else None,
                      threads=settings.haproxy_threads, cluster=cluster, external=settings.haproxy_external,
-                     host_reads=any(rt.traits.shares_rootfs for rt in orch.host.runtimes.values()))
+                     host_reads=hostfiles.applies(orch.host.runtimes.values(), settings.sandbox_bandwidth_mbit))
 
 
 def attach(dp: DataPlane, orch: Any) -> None:

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +41,10 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
-from agentenv.envd.files import HOST_READ_HEADER, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PREFIX, part_filename
+from agentenv.envd.files import (HOST_READ_HEADER, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PATH, STAGED_PREFIX,
+                                 part_filename)
 
-__all__ = ["HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
+__all__ = ["applies", "HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
            "HostTransfer",
            "Stage", "open_checked", "open_in_root"]
 
@@ -55,6 +56,7 @@ HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"  # envd's name for it: agentenv/envd
 # Headers of envd's answer to a host read that do not describe the file the host sends.
 _NOT_THE_FILES = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
                             HOST_READ_HEADER.lower()})
+MTIME_SLACK_S = 2.0
 # How much of a multipart file part is read at once while staging it.
 _PART_CHUNK = 1 << 20
 
@@ -89,6 +91,13 @@ def open_in_root(root: Path, path: str, *, directory: bool = False) -> int:
         os.close(dirfd)
 
 
+def applies(runtimes: Iterable[Any], bandwidth_mbit: int) -> bool:
+    """Whether large transfers may go this way on a server: a runtime shares its sandboxes' rootfs
+    with the host, and sandboxes have no bandwidth cap (`sandbox_bandwidth_mbit`), which file
+    transfers obey like any other traffic of the sandbox's."""
+    return not bandwidth_mbit and any(rt.traits.shares_rootfs for rt in runtimes)
+
+
 @dataclass(frozen=True)
 class HostFiles:
     """What the traffic proxy needs to send downloads from the host: the rootfs of a sandbox whose
@@ -98,8 +107,11 @@ class HostFiles:
     host_token: str
 
 
-def open_checked(root: Path, path: str, size: int) -> int | None:
-    """The fd of envd's answer, if it is a regular file of `size` bytes below `root`; else None."""
+def open_checked(root: Path, path: str, size: int, mtime: float | None = None) -> int | None:
+    """The fd of envd's answer, if it is a regular file of `size` bytes below `root`, modified when
+    envd saw it modified (within `MTIME_SLACK_S`: gVisor keeps its own copy of the time); else None.
+    Size and time together catch a path that names another file on the host than in the sandbox (a
+    bind mount made inside the sandbox)."""
     try:
         fd = open_in_root(root, path)
     except OSError:
@@ -109,7 +121,8 @@ def open_checked(root: Path, path: str, size: int) -> int | None:
     except OSError:
         os.close(fd)
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size or (
+            mtime is not None and abs(st.st_mtime - mtime) > MTIME_SLACK_S):
         os.close(fd)
         return None
     return fd
@@ -163,8 +176,9 @@ Send = Callable[..., Awaitable["aiohttp.ClientResponse | web.Response"]]
 @dataclass
 class HostTransfer:
     """One `/files` request of a client that the host takes part in (the traffic proxy makes one per
-    request and hands it the ways to reach envd): `send(headers, body=True)` sends the request on with
-    those headers (without its body if `body` is false; a connection that failed is answered);
+    request and hands it the ways to reach envd): `send(headers, body=True, path=None)` sends the request
+    on with those headers (without its body if `body` is false; to another path of envd's with the same
+    query if `path` is given; a connection that failed is answered);
     `relay(upstream)` answers the client with envd's response; `started(response)` is told of a
     response whose headers are out; `stats` is the proxy's `ProxyStats`."""
 
@@ -201,6 +215,7 @@ class HostTransfer:
         try:
             info = await upstream.json()
             path, size, headers = str(info["path"]), int(info["size"]), dict(info["headers"])
+            mtime = float(info["mtime"])
         except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             log.info("sandbox %s: unusable answer to a host read: %r", self.sandbox_id, exc)
             return None
@@ -208,7 +223,7 @@ class HostTransfer:
             upstream.release()
         # Inline, not on a thread: a pause cancelling this task must never leave an fd open on the
         # rootfs it is about to unmount (a few path-lookup syscalls on the host).
-        fd = open_checked(self.root, path, size)
+        fd = open_checked(self.root, path, size, mtime)
         if fd is None:
             return None
         try:
@@ -238,17 +253,19 @@ class HostTransfer:
         """envd checks the upload first, the host writes its body into the staging dir envd made for
         it, envd takes it from there."""
         request = self.request
-        upstream = await self.send(self._as_host(headers, HOST_WRITE_HEADER, str(request.content_length)), body=False)
+        upstream = await self.send(self._as_host(headers, HOST_WRITE_HEADER, str(request.content_length)),
+                                   body=False, path=STAGED_PATH)
         if isinstance(upstream, web.Response):
             return upstream
-        if upstream.status != 204 or HOST_WRITE_HEADER not in upstream.headers:
+        staging = upstream.headers.get(HOST_WRITE_HEADER)
+        if staging is not None and upstream.status != 204:
             return await self.relay(upstream)  # envd's refusal (401, 413, ...) as it is
-        staging = upstream.headers[HOST_WRITE_HEADER]
         upstream.release()
         try:
-            stage = Stage(self.root, staging)
-        except OSError as exc:  # no staging dir (envd could not make one): envd takes the body
-            log.info("sandbox %s: cannot stage an upload (%s); sending it to envd", self.sandbox_id, exc)
+            # None: an envd without the route (a sandbox restored from an older image); "": no dir
+            stage = Stage(self.root, staging or "")
+        except OSError as exc:  # envd takes the body itself
+            log.info("sandbox %s: the upload is not staged (%s); envd takes the body", self.sandbox_id, exc)
             upstream = await self.send(headers)
             return upstream if isinstance(upstream, web.Response) else await self.relay(upstream)
         handed_over = False
@@ -267,7 +284,7 @@ class HostTransfer:
             self.stats.bytes_to_sandbox += request.content_length or 0
             staged = json.dumps({"multipart": multipart, "dir": stage.dir, "files": files})
             handed_over = True
-            upstream = await self.send(self._as_host(headers, STAGED_HEADER, staged), body=False)
+            upstream = await self.send(self._as_host(headers, STAGED_HEADER, staged), body=False, path=STAGED_PATH)
             if isinstance(upstream, web.Response):
                 return upstream
             self.stats.files_to_host += 1

@@ -453,8 +453,11 @@ class TrafficProxy:
         headers = self._upstream_headers(request, target)
         root = self._shared_root(request, target, url)
         if root is not None and self._host_files is not None:
-            async def send(to_envd: CIMultiDict[str], body: bool = True) -> aiohttp.ClientResponse | web.Response:
-                return await self._request(request, sandbox_id, url, to_envd, body=body)
+            async def send(to_envd: CIMultiDict[str], body: bool = True,
+                           path: str | None = None) -> aiohttp.ClientResponse | web.Response:
+                to = url if path is None else URL.build(scheme=url.scheme, host=url.host, port=url.port, path=path,
+                                                        query_string=url.raw_query_string, encoded=True)
+                return await self._request(request, sandbox_id, to, to_envd, body=body)
 
             def started(response: web.StreamResponse) -> None:
                 flight.response = response

@@ -51,6 +51,11 @@ def test_checked_open_wants_a_regular_file_of_the_size_envd_saw(tree):
     assert fd is not None
     assert read_fd(fd) == b"inside"
     assert open_checked(root, "/etc/secret", 7) is None   # changed since envd looked
+    mtime = os.stat(root / "etc" / "secret").st_mtime
+    fd = open_checked(root, "/etc/secret", 6, mtime + 1)  # gVisor's own copy of the time, a little off
+    assert fd is not None
+    os.close(fd)
+    assert open_checked(root, "/etc/secret", 6, mtime - 60) is None  # another file of the same size
     assert open_checked(root, "/dir", 0) is None          # not a regular file
     assert open_checked(root, "/missing", 0) is None
     assert open_checked(root, "/etc/sec\0ret", 6) is None
