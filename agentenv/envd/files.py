@@ -10,6 +10,7 @@ import asyncio
 import base64
 import concurrent.futures
 import errno
+import functools
 import hashlib
 import hmac
 import json
@@ -384,6 +385,7 @@ async def _send_plain(request: web.Request, resp: web.StreamResponse, fd: int, o
         await resp.write(chunk)
 
 
+@functools.cache
 def _root_device() -> int:
     return os.stat("/").st_dev
 
@@ -393,7 +395,7 @@ def _host_may_send(request: web.Request, state: EnvdState, st: os.stat_result) -
     root filesystem (the host's view of it is the same file: gVisor writes through to it). Files on
     other mounts (/dev/shm, a tmpfs the user mounted) have another device and stay with envd."""
     wanted = request.headers.get(HOST_READ_HEADER, "")
-    if not wanted.isdigit() or not state.host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
+    if not wanted.isdigit() or not state.from_host(request):
         return False
     return (request.method == hdrs.METH_GET and stat.S_ISREG(st.st_mode) and st.st_size >= int(wanted)
             and st.st_dev == _root_device())
@@ -507,7 +509,7 @@ def _copy_from(src: int, dst: int, budget: _Budget) -> None:
 
 async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Budget, meta: dict,
                    source: int | None = None) -> dict:
-    """Stream `chunks` (async iterator of bytes), or the file `source`, into `path` with file metadata
+    """Stream `chunks` (async iterator of bytes), or else the file `source`, into `path` with file metadata
     `meta` (which replaces the file's earlier metadata, none clearing it); remove the partial file on
     failure."""
     try:
@@ -525,11 +527,12 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
     try:
         if source is not None:
             await _on_io(_copy_from, source, fd, budget)
-        async for chunk in chunks:
-            if not chunk:
-                continue
-            budget.take(len(chunk))
-            await writer.add(chunk)
+        else:
+            async for chunk in chunks:
+                if not chunk:
+                    continue
+                budget.take(len(chunk))
+                await writer.add(chunk)
         await writer.finish()
         stored = await _on_io(read_metadata, fd)
         ok = True
@@ -588,9 +591,17 @@ async def _next_part(reader):
     return await _guard_multipart(reader.next())
 
 
-async def _no_chunks():
-    return
-    yield b""
+def _destination(query_path: str | None, filename: str | None, user: User, seen: set[str], multipart: bool) -> str:
+    """Where one file of an upload goes: the `path` query, else its part's filename; once each."""
+    raw = query_path or filename
+    if not raw:
+        raise HTTPFail(400, "missing destination path (no 'path' query and no part filename)"
+                       if multipart else "path is required for a non-multipart upload")
+    path = _resolve(raw, user)
+    if path in seen:
+        raise HTTPFail(400, f"path '{path}' is given more than once")
+    seen.add(path)
+    return path
 
 
 def _staged_list(raw: str) -> tuple[bool, str, list[tuple[str, str | None]]]:
@@ -605,14 +616,24 @@ def _staged_list(raw: str) -> tuple[bool, str, list[tuple[str, str | None]]]:
     return multipart, staging, files
 
 
-# Staging dirs of uploads being taken right now, and how old one left behind must be before
-# `sweep_staged` removes it (its request broke off, e.g. by a pause).
+# Staging dirs of uploads being taken right now, and how long one left behind must have gone
+# unwritten before `sweep_staged` removes it.
 _TAKING: set[str] = set()
 STAGED_MAX_AGE_S = 600.0
 
 
+def _last_write(path: str) -> float:
+    """The newest mtime of a staging dir and its files (the host may still be writing one)."""
+    times = [os.stat(path).st_mtime]
+    with os.scandir(path) as entries:
+        times += [e.stat(follow_symlinks=False).st_mtime for e in entries]
+    return max(times)
+
+
 def sweep_staged() -> list[str]:
-    """Remove staging dirs in "/" that nobody takes any more (run after each /init)."""
+    """Remove staging dirs in "/" that nobody took and nobody wrote to for `STAGED_MAX_AGE_S` (their
+    request broke off, e.g. by a pause). Run when a new one is made: only sandboxes that stage uploads
+    pay for the scan."""
     removed = []
     now = time.time()
     with os.scandir("/") as entries:
@@ -620,7 +641,7 @@ def sweep_staged() -> list[str]:
             if not _STAGED_DIR.match(entry.name) or entry.name in _TAKING:
                 continue
             try:
-                if now - entry.stat(follow_symlinks=False).st_mtime > STAGED_MAX_AGE_S:
+                if now - _last_write(entry.path) > STAGED_MAX_AGE_S:
                     shutil.rmtree(entry.path)
                     removed.append(entry.name)
             except OSError:
@@ -628,11 +649,8 @@ def sweep_staged() -> list[str]:
     return removed
 
 
-def sweep_staged_later() -> None:
-    _IO.submit(sweep_staged)
-
-
 def _make_staging_dir() -> str:
+    sweep_staged()
     name = STAGED_PREFIX + secrets.token_hex(16)
     os.mkdir("/" + name, 0o700)
     return name
@@ -661,20 +679,13 @@ async def _receive_staged(state: EnvdState, user: User, query_path: str | None, 
     _TAKING.add(staging)
     try:
         for name, filename in files:
-            raw_path = query_path or filename
-            if not raw_path:
-                raise HTTPFail(400, "missing destination path (no 'path' query and no part filename)"
-                               if multipart else "path is required for a non-multipart upload")
-            path = _resolve(raw_path, user)
-            if path in seen:
-                raise HTTPFail(400, f"path '{path}' is given more than once")
-            seen.add(path)
+            path = _destination(query_path, filename, user, seen, multipart)
             try:
                 fd = await _on_io(_open_staged, f"/{staging}/{name}")
             except OSError as exc:
                 raise HTTPFail(500, f"the upload staged by the host is not in the sandbox ({exc.strerror})") from None
             try:
-                results.append(await _receive(state, user, path, _no_chunks(), budget, meta, source=fd))
+                results.append(await _receive(state, user, path, None, budget, meta, source=fd))
             finally:
                 os.close(fd)
         if multipart and not results:
@@ -696,7 +707,7 @@ async def post_staged(request: web.Request) -> web.StreamResponse:
     state = get_state(request)
     staged = request.headers.get(STAGED_HEADER)
     try:
-        if not state.host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
+        if not state.from_host(request):
             raise HTTPFail(401, UNAUTHORIZED_MESSAGE)
         check_access(request, state, "write")
         user = files_user(request, state)
@@ -753,20 +764,12 @@ async def post_files(request: web.Request) -> web.StreamResponse:
                 if part.name != "file":
                     await _guard_multipart(part.release())
                     continue
-                raw = query_path or part_filename(part)
-                if not raw:
-                    raise HTTPFail(400, "missing destination path (no 'path' query and no part filename)")
-                path = _resolve(raw, user)
-                if path in seen:
-                    raise HTTPFail(400, f"path '{path}' is given more than once")
-                seen.add(path)
+                path = _destination(query_path, part_filename(part), user, seen, True)
                 results.append(await _guard_multipart(_receive(state, user, path, _part_chunks(part), budget, meta)))
             if not results:
                 raise HTTPFail(400, "no file part in the request")
         else:
-            if not query_path:
-                raise HTTPFail(400, "path is required for a non-multipart upload")
-            path = _resolve(query_path, user)
+            path = _destination(query_path, None, user, set(), False)
             results.append(await _receive(state, user, path, _body_pieces(request), budget, meta))
     except HTTPFail as fail:
         return fail.response()

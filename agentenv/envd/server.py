@@ -82,7 +82,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def connections(request: web.Request) -> web.Response:
     """Host-only: TCP endpoints that would block a checkpoint (see netstat.py)."""
-    if not get_state(request).host_token_ok(request.headers.get("X-Agentenv-Host-Token")):
+    if not get_state(request).from_host(request):
         return unauthorized()
     peer = request.transport.get_extra_info("peername") if request.transport else None
     busy = netstat.blocking_endpoints(exclude_remote=(peer[0], peer[1]) if peer else None)
@@ -95,7 +95,7 @@ async def init(request: web.Request) -> web.Response:
     if state.initialized and state.access_token:
         if not (
             state.token_ok(request.headers.get("X-Access-Token"))
-            or state.host_token_ok(request.headers.get("X-Agentenv-Host-Token"))
+            or state.from_host(request)
         ):
             return unauthorized()
     raw = await request.read()
@@ -120,7 +120,6 @@ async def init(request: web.Request) -> web.Response:
     if host_time is not None:  # a restored microVM's clock lags by the time its image was stored
         clock.sync(host_time)
     state.initialized = True
-    files.sweep_staged_later()
     log.info("initialized (token=%s, %d env vars, user=%s)", bool(state.access_token), len(state.env_vars), state.default_user)
     return web.Response(status=204)
 

@@ -19,6 +19,8 @@ STATE_KEY: web.AppKey["EnvdState"] = web.AppKey("envd_state")
 UNAUTHORIZED_MESSAGE = (
     "unauthorized access, please provide a valid access token or method signing if supported"
 )
+# The orchestrator's credential for envd (re-init, connection checks, staged file transfers).
+HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"
 
 
 @dataclass
@@ -46,6 +48,10 @@ class EnvdState:
         if not self.access_token:
             return True
         return presented is not None and hmac.compare_digest(presented.encode(), self.access_token.encode())
+
+    def from_host(self, request) -> bool:
+        """The request carries the host token (`HOST_TOKEN_HEADER`)."""
+        return self.host_token_ok(request.headers.get(HOST_TOKEN_HEADER))
 
     def host_token_ok(self, presented: str | None) -> bool:
         return bool(self.host_token) and presented is not None and hmac.compare_digest(

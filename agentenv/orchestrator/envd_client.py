@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from agentenv.constants import ENVD_PORT
+from agentenv.envd.state import HOST_TOKEN_HEADER
 from agentenv.errors import RuntimeFailure
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
         # the guest steps its clock to it (a restored microVM's clock lags by its time on disk)
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
     }
-    headers = {"X-Agentenv-Host-Token": host_token}
+    headers = {HOST_TOKEN_HEADER: host_token}
     if current_token:
         headers["X-Access-Token"] = current_token
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:

@@ -357,8 +357,8 @@ class DataPlane:
                  https_bind: str | None = None, cert: Path | None = None, threads: int | None = None,
                  cluster: ClusterListener | None = None, hop: NodeHop | None = None,
                  external: bool = False, host_reads: bool = False) -> None:
-        """`host_reads`: downloads (`GET /files`) go through the server, which sends large ones from the
-        sandbox's disk on the host (`hostfiles`)."""
+        """`host_reads`: downloads (`GET /files`) and large uploads go through the server, which moves
+        large files between the client and the sandbox's disk on the host (`hostfiles`)."""
         self.binary = binary
         self.external = external
         self._instance: str | None = None  # external: the worker behind the runtime API (`_worker`)

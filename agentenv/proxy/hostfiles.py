@@ -43,6 +43,7 @@ from multidict import CIMultiDict
 
 from agentenv.envd.files import (HOST_READ_HEADER, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PATH, STAGED_PREFIX,
                                  part_filename)
+from agentenv.envd.state import HOST_TOKEN_HEADER
 
 __all__ = ["applies", "HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
            "HostTransfer",
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 
 # Below this a download or upload goes through envd as before: the bytes are few.
 MIN_BYTES = 1 << 20
-HOST_TOKEN_HEADER = "X-Agentenv-Host-Token"  # envd's name for it: agentenv/envd/state.py
 # Headers of envd's answer to a host read that do not describe the file the host sends.
 _NOT_THE_FILES = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
                             HOST_READ_HEADER.lower()})
@@ -100,8 +100,8 @@ def applies(runtimes: Iterable[Any], bandwidth_mbit: int) -> bool:
 
 @dataclass(frozen=True)
 class HostFiles:
-    """What the traffic proxy needs to send downloads from the host: the rootfs of a sandbox whose
-    runtime shares it (None otherwise), and the host token envd wants with `HOST_READ_HEADER`."""
+    """What the traffic proxy needs for transfers through the host: the rootfs of a sandbox whose
+    runtime shares it (None otherwise), and the host token envd wants with the host's requests."""
 
     root_of: Callable[[str], Path | None]
     host_token: str

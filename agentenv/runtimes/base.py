@@ -59,7 +59,7 @@ class RuntimeTraits:
     # and a callback that captures its disk at the same instant); without it a capture stops the sandbox
     captures_running: bool = False
     # The sandbox's root filesystem is the host's overlay mount, kept coherent with what programs in the
-    # sandbox write (gVisor writes through to the host file): the host may send large downloads from it
+    # sandbox write (gVisor writes through to the host file): large file transfers may use it
     # (`agentenv.proxy.hostfiles`)
     shares_rootfs: bool = False
 
