@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,14 +175,42 @@ class Proc:
     proc: subprocess.Popen
     log_path: Path
 
+    data_dir: Path
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        """SIGTERM; one that does not stop in 30 s is killed, with a warning that carries what its
+        tasks waited on. A role killed so leaves its HAProxy running (a data plane outlives its
+        server by design: the next start takes it over); the tests stop it here."""
+        if self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        size = self.log_path.stat().st_size
+        self.proc.send_signal(signal.SIGUSR1)  # its asyncio tasks into its log (observability/taskdump.py)
+        time.sleep(2)
+        self.proc.kill()
+        self.proc.wait(10)
+        for pid in haproxy_mentioning(self.data_dir):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, size - 4000))
+            tail = f.read().decode(errors="replace")
+        warnings.warn(f"the {self.name} at {self.url} did not stop within 30 s of SIGTERM and was killed:\n{tail}")
+
+
+def haproxy_mentioning(path: Path) -> list[int]:
+    """HAProxy processes whose command line names a file under `path` (a role's data dir)."""
+    pids = []
+    for line in processes_mentioning(str(path.resolve())):
+        pid, cmdline = line.split(": ", 1)
+        if cmdline.split()[0].endswith("haproxy"):
+            pids.append(int(pid))
+    return pids
 
 
 @dataclass
@@ -278,7 +307,8 @@ class Cluster:
         """Another gateway replica (stateless: same store, scheduler and key), with `env` on top of
         the first one's settings; the caller stops it."""
         port = port or free_port()
-        env = {**self.extra["gateway_env"], "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(port), **(env or {})}
+        env = {**self.extra["gateway_env"], "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(port),
+               "AGENTENV_DATA_DIR": str(self.work / f"gateway-{port}"), **(env or {})}
         return _start_role("gateway", env, f"http://127.0.0.1:{port}", self.work / f"gateway-{port}.log", self.work)
 
     def restart_node(self, name: str) -> None:
@@ -310,10 +340,19 @@ def _netns_teardown(nodes: list[tuple[str, str, str]]) -> None:
     sh("ip", "link", "del", BRIDGE, check=False)
 
 
+def _no_haproxy_left(work: Path) -> None:
+    """The gateways stopped (SIGTERM) stopped their HAProxy too."""
+    left = haproxy_mentioning(work)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"HAProxy processes of stopped gateways were still running: {left}"
+
+
 def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: Path,
                 verify: str | bool = True) -> Proc:
     full = dict(os.environ)
-    full.update(env)
+    full.update(env)  # every role has a data dir of its own (never the session server's)
     proc = subprocess.Popen([agentenv_executable(), role], env=full, stdin=subprocess.DEVNULL,
                             stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True, cwd=work)
     deadline = time.monotonic() + 60
@@ -322,7 +361,7 @@ def _start_role(role: str, env: dict[str, str], url: str, log_path: Path, work: 
             raise RuntimeError(f"{role} exited ({proc.returncode}):\n{log_tail(log_path)}")
         with contextlib.suppress(requests.RequestException):
             if requests.get(f"{url}/health", timeout=2, verify=verify).ok:
-                return Proc(role, url, proc, log_path)
+                return Proc(role, url, proc, log_path, Path(full["AGENTENV_DATA_DIR"]))
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"{role} not healthy in 60 s:\n{log_tail(log_path)}")
@@ -369,12 +408,15 @@ def cluster() -> Cluster:
         scheduler = _start_role("scheduler", {**common, **pki.env("scheduler", "scheduler", (f"{LAN}.1",)),
                                               "AGENTENV_HOST": f"{LAN}.1", "AGENTENV_PORT": str(sched_port),
                                               # its periodic store GC runs (the default grace: removes nothing)
-                                              "AGENTENV_STORE_GC_INTERVAL_S": "10"},
+                                              "AGENTENV_STORE_GC_INTERVAL_S": "10",
+                                              "AGENTENV_DATA_DIR": str(work / "scheduler")},
                                 f"https://{LAN}.1:{sched_port}", work / "scheduler.log", work, verify=str(pki.ca))
+        stack.callback(_no_haproxy_left, work)  # once gateway and scheduler stopped
         stack.callback(scheduler.stop)
         gateway_env = {**common, **pki.env("gateway", "gateway"), "AGENTENV_SCHEDULER_URL": scheduler.url,
                        "AGENTENV_BOOTSTRAP_API_KEY": api_key}
-        gateway = _start_role("gateway", {**gateway_env, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(gw_port)},
+        gateway = _start_role("gateway", {**gateway_env, "AGENTENV_HOST": "127.0.0.1", "AGENTENV_PORT": str(gw_port),
+                                          "AGENTENV_DATA_DIR": str(work / "gateway")},
                               f"http://127.0.0.1:{gw_port}", work / "gateway.log", work)
         stack.callback(gateway.stop)
         nodes: dict[str, Node] = {}

@@ -45,11 +45,14 @@ def staged_leftovers(sbx: Sandbox) -> str:
     return sbx.commands.run("ls -a / | grep '^.agentenv-upload-' || true", user="root").stdout
 
 
-def pause_during(sbx: Sandbox, client, begun: threading.Event) -> None:
-    """Run `client` on a thread, pause the sandbox once `begun` is set, wait for the client to end."""
+def pause_during(server, sbx: Sandbox, client, begun: threading.Event) -> None:
+    """Run `client` on a thread, pause the sandbox once `begun` is set and the server holds a file of
+    the transfer (so it goes through the host), wait for the client to end."""
     t = threading.Thread(target=client, daemon=True)
     t.start()
     assert begun.wait(60)
+    wait_until(lambda: open_below(server.data_dir / "sandboxes" / sbx.sandbox_id, [server.proc.pid]),
+               "the server to hold a file of the transfer")
     assert sbx.pause() is True
     t.join(120)
     assert not t.is_alive()
@@ -57,6 +60,61 @@ def pause_during(sbx: Sandbox, client, begun: threading.Event) -> None:
 
 def sha_in(sbx: Sandbox, path: str) -> str:
     return sbx.commands.run(f"sha256sum {path}").stdout.split()[0]
+
+
+def random_file(sbx: Sandbox, path: str, size: int = 64 * MIB) -> str:
+    """`size` random bytes made in the sandbox at `path`; their sha256."""
+    sbx.commands.run(f"head -c {size} /dev/urandom > {path}")
+    return sha_in(sbx, path)
+
+
+def slow_download(url: str, received: list[int], begun: threading.Event):
+    """A client reading a download 64 KiB at a time, slowly; sets `begun` at its first bytes."""
+    def client() -> None:
+        try:
+            with requests.get(url, stream=True, timeout=120) as r:
+                for chunk in r.iter_content(64 * 1024):
+                    received.append(len(chunk))
+                    begun.set()
+                    time.sleep(0.05)
+        except requests.RequestException:
+            pass
+        finally:
+            begun.set()
+    return client
+
+
+class SlowBody:
+    """`size` random bytes sent slowly with a Content-Length (an iterable of known length: requests
+    would send a bare generator chunked); sets `begun` once 2 MiB are out."""
+
+    def __init__(self, size: int, begun: threading.Event) -> None:
+        self.size, self.begun = size, begun
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        piece = os.urandom(256 * 1024)
+        for i in range(self.size // len(piece)):
+            yield piece
+            if i == 8:
+                self.begun.set()
+            time.sleep(0.02)
+
+
+def slow_upload(url: str, size: int, outcome: list[object], begun: threading.Event):
+    """A client uploading `size` random bytes slowly (`SlowBody`)."""
+    def client() -> None:
+        try:
+            r = requests.post(url, data=SlowBody(size, begun), timeout=120,
+                              headers={"Content-Type": "application/octet-stream"})
+            outcome.append(r.status_code)
+        except requests.RequestException as exc:
+            outcome.append(exc)
+        finally:
+            begun.set()
+    return client
 
 
 def test_large_download_comes_from_the_host_with_the_sandbox_bytes(sbx: Sandbox, host_sends):
@@ -146,29 +204,15 @@ def test_client_header_cannot_ask_envd_for_a_host_read(sbx: Sandbox):
     assert r.status_code == 200 and r.content == data
 
 
-def test_pause_during_a_host_download_keeps_the_sandbox(sandbox_factory):
+def test_pause_during_a_host_download_keeps_the_sandbox(server, sandbox_factory):
     """A slow client holds a download from the host open; pausing the sandbox cuts it (as it cuts any
     stream into a sandbox) and the sandbox pauses, resumes and still has the file."""
     sbx = sandbox_factory.create()
     path = "/home/user/slow.bin"
-    sbx.commands.run(f"head -c {64 * MIB} /dev/urandom > {path}")
-    want = sha_in(sbx, path)
-    received = []
+    want = random_file(sbx, path)
+    received: list[int] = []
     started = threading.Event()
-
-    def slow_client() -> None:
-        try:
-            with requests.get(sbx.download_url(path), stream=True, timeout=120) as r:
-                for chunk in r.iter_content(64 * 1024):
-                    received.append(len(chunk))
-                    started.set()
-                    time.sleep(0.05)
-        except requests.RequestException:
-            pass
-        finally:
-            started.set()
-
-    pause_during(sbx, slow_client, started)
+    pause_during(server, sbx, slow_download(sbx.download_url(path), received, started), started)
     assert sum(received) < 64 * MIB, "the download should have been cut by the pause"
     # Nothing holds the paused sandbox's rootfs: it is unmounted once the pause stood the sandbox down.
     wait_until(lambda: f"/sandboxes/{sbx.sandbox_id}/rootfs " not in Path("/proc/mounts").read_text(),
@@ -253,34 +297,15 @@ def test_refused_uploads_stage_nothing(sbx: Sandbox, host_stages):
     assert staged_leftovers(sbx) == ""
 
 
-def test_pause_during_a_staged_upload_keeps_the_sandbox(sandbox_factory):
+def test_pause_during_a_staged_upload_keeps_the_sandbox(server, sandbox_factory):
     """A slow client is half way through a large upload when the sandbox pauses: the upload fails, the
     sandbox pauses, resumes and works, and neither the destination nor staged bytes are left."""
     sbx = sandbox_factory.create()
     path = "/home/user/slow-upload.bin"
-    size = 32 * MIB
+    size = 128 * MIB  # ~10 s at the client's pace
     sent = threading.Event()
     outcome: list[object] = []
-
-    def body():
-        piece = os.urandom(256 * 1024)
-        for i in range(size // len(piece)):
-            yield piece
-            if i == 8:
-                sent.set()
-            time.sleep(0.02)
-
-    def slow_client() -> None:
-        try:
-            r = requests.post(sbx.upload_url(path), data=body(), timeout=120,
-                              headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)})
-            outcome.append(r.status_code)
-        except requests.RequestException as exc:
-            outcome.append(exc)
-        finally:
-            sent.set()
-
-    pause_during(sbx, slow_client, sent)
+    pause_during(server, sbx, slow_upload(sbx.upload_url(path), size, outcome, sent), sent)
     assert outcome and outcome[0] != 200, outcome
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
     assert not resumed.files.exists(path)
@@ -290,3 +315,77 @@ def test_pause_during_a_staged_upload_keeps_the_sandbox(sandbox_factory):
     assert files == "", files
     resumed.files.write(path, os.urandom(2 * MIB))
     assert resumed.files.get_info(path).size == 2 * MIB
+
+
+# ---- kill and fork in the middle ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transfer", ["download", "upload"])
+def test_kill_during_a_host_transfer_leaves_nothing(server, sandbox_factory, transfer):
+    """A sandbox killed while the host sends one of its files, or stages an upload for it, goes
+    entirely: the transfer ends, and no mount, dir or open descriptor of its rootfs stays on the host."""
+    sbx = sandbox_factory.create()
+    begun = threading.Event()
+    sandbox_dir = server.data_dir / "sandboxes" / sbx.sandbox_id
+    if transfer == "download":
+        random_file(sbx, "/home/user/big.bin")
+        received: list[int] = []
+        client = slow_download(sbx.download_url("/home/user/big.bin"), received, begun)
+    else:
+        outcome: list[object] = []
+        client = slow_upload(sbx.upload_url("/home/user/big.bin"), 128 * MIB, outcome, begun)  # ~10 s
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    assert begun.wait(60)
+    # the server itself holds a file of it (the download's source, the upload's staged file)
+    wait_until(lambda: open_below(sandbox_dir, [server.proc.pid]), f"the server to hold a file of the {transfer}")
+    sbx.kill()
+    t.join(120)
+    assert not t.is_alive(), "the transfer went on after its sandbox was killed"
+    if transfer == "download":
+        assert sum(received) < 64 * MIB, "the download should have been cut by the kill"
+    else:
+        assert outcome and outcome[0] != 200, outcome
+    wait_until(lambda: str(sandbox_dir) not in Path("/proc/mounts").read_text() and not sandbox_dir.exists(),
+               "the killed sandbox's mounts and dir to be gone")
+    holders = open_below(sandbox_dir, [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()])
+    assert holders == [], f"descriptors still open on the killed sandbox's files: {holders}"
+
+
+def open_below(path: Path, pids: list[int]) -> list[str]:
+    """Descriptors of processes `pids` open on files below `path`: "<pid>: <target>"."""
+    found = []
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(f"{path}/"):
+                found.append(f"{pid}: {target}")
+    return found
+
+
+def test_fork_during_a_host_download_keeps_both(sandbox_factory):
+    """A fork while the host sends the source's file: the source keeps running with the file, and
+    the child has the same bytes (the download either ends whole or is cut, never corrupts either)."""
+    sbx = sandbox_factory.create()
+    path = "/home/user/fork.bin"
+    want = random_file(sbx, path)
+    received: list[int] = []
+    begun = threading.Event()
+    t = threading.Thread(target=slow_download(sbx.download_url(path), received, begun), daemon=True)
+    t.start()
+    assert begun.wait(60)
+    (child,) = sbx.fork(count=1, timeout=300)
+    if isinstance(child, Sandbox):
+        sandbox_factory.created.append(child)  # killed at teardown
+    t.join(120)
+    assert not t.is_alive()
+    assert isinstance(child, Sandbox), child
+    assert sha_in(sbx, path) == want
+    assert sha_in(child, path) == want
