@@ -47,12 +47,14 @@ from agentenv.envd.state import HOST_TOKEN_HEADER
 
 __all__ = ["applies", "HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
            "HostTransfer",
-           "Stage", "open_checked", "open_in_root"]
+           "Stage", "open_checked", "open_in_root", "room_to_stage"]
 
 log = logging.getLogger(__name__)
 
 # Below this a download or upload goes through envd as before: the bytes are few.
 MIN_BYTES = 1 << 20
+# Free space an upload leaves on the sandbox's disk for it to be staged (`room_to_stage`).
+STAGE_SPARE_BYTES = 16 << 20
 # Headers of envd's answer to a host read that do not describe the file the host sends.
 _NOT_THE_FILES = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
                             HOST_READ_HEADER.lower()})
@@ -126,6 +128,17 @@ def open_checked(root: Path, path: str, size: int, mtime: float | None = None) -
         os.close(fd)
         return None
     return fd
+
+
+def room_to_stage(root: Path, length: int) -> bool:
+    """Whether the filesystem of the sandbox's writable layer (an overlay reports its upper's: with
+    `disk_quota = loop`, the sandbox's own disk image) has room for an upload of `length` bytes twice,
+    staged and copied in, with `STAGE_SPARE_BYTES` to spare."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= 2 * length + STAGE_SPARE_BYTES
 
 
 class Stage:
@@ -207,8 +220,7 @@ class HostTransfer:
         if sent is not None:
             return sent
         # Not the file envd described (it changed meanwhile, or is not below the rootfs): envd sends it.
-        upstream = await self.send(headers)
-        return upstream if isinstance(upstream, web.Response) else await self.relay(upstream)
+        return await self._through_envd(headers)
 
     async def _send_file(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse | None:
         """Send the file envd described from the host; None if it is not that file."""
@@ -251,9 +263,15 @@ class HostTransfer:
 
     async def upload(self, headers: CIMultiDict[str]) -> web.StreamResponse:
         """envd checks the upload first, the host writes its body into the staging dir envd made for
-        it, envd takes it from there."""
+        it, envd takes it from there. Without room for the body twice on the sandbox's disk (staged,
+        then copied in), envd takes the body itself, as for any upload: staging must never turn an
+        upload that fits into a 507."""
         request = self.request
-        upstream = await self.send(self._as_host(headers, HOST_WRITE_HEADER, str(request.content_length)),
+        length = request.content_length or 0
+        if not room_to_stage(self.root, length):
+            log.info("sandbox %s: no room to stage an upload of %d bytes; envd takes the body", self.sandbox_id, length)
+            return await self._through_envd(headers)
+        upstream = await self.send(self._as_host(headers, HOST_WRITE_HEADER, str(length)),
                                    body=False, path=STAGED_PATH)
         if isinstance(upstream, web.Response):
             return upstream
@@ -264,10 +282,9 @@ class HostTransfer:
         try:
             # None: an envd without the route (a sandbox restored from an older image); "": no dir
             stage = Stage(self.root, staging or "")
-        except OSError as exc:  # envd takes the body itself
+        except OSError as exc:
             log.info("sandbox %s: the upload is not staged (%s); envd takes the body", self.sandbox_id, exc)
-            upstream = await self.send(headers)
-            return upstream if isinstance(upstream, web.Response) else await self.relay(upstream)
+            return await self._through_envd(headers)
         handed_over = False
         try:
             multipart = request.content_type.startswith("multipart/")
@@ -291,6 +308,11 @@ class HostTransfer:
             return await self.relay(upstream)
         finally:
             stage.close(handed_over=handed_over)
+
+    async def _through_envd(self, headers: CIMultiDict[str]) -> web.StreamResponse:
+        """The request as the client sent it, body and all, to envd; its answer to the client."""
+        upstream = await self.send(headers)
+        return upstream if isinstance(upstream, web.Response) else await self.relay(upstream)
 
 
 async def _stage_body(request: web.Request, stage: Stage, multipart: bool) -> list[dict[str, str | None]]:

@@ -17,12 +17,18 @@ import requests
 from e2b import Sandbox
 
 from e2e_util import new_tag, wait_until
+from serverproc import new_data_dir, remove_data_dir, start_extra_server
 
 MIB = 1 << 20
 
 
 def counter(server, name: str) -> int:
-    text = requests.get(f"{server.api_url}/metrics", timeout=30).text
+    return counter_at(server.api_url, name)
+
+
+def counter_at(url: str, name: str) -> int:
+    """A counter of the server at `url` (its /metrics)."""
+    text = requests.get(f"{url}/metrics", timeout=30).text
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     assert m is not None, f"{name} is missing from /metrics"
     return int(float(m.group(1)))
@@ -389,3 +395,44 @@ def test_fork_during_a_host_download_keeps_both(sandbox_factory):
     assert isinstance(child, Sandbox), child
     assert sha_in(sbx, path) == want
     assert sha_in(child, path) == want
+
+
+# ---- a nearly full disk ------------------------------------------------------------------------------
+
+
+def test_upload_without_room_to_stage_goes_through_envd(server):
+    """With per-sandbox disk images (`disk_quota = loop`), an upload that fits the free space once but
+    not twice (staged, then copied in) is not staged: envd takes the body and it lands, where staging
+    would have answered 507. With room again, the next one is staged."""
+    data_dir = new_data_dir("hostfiles-quota")
+    srv = start_extra_server(data_dir, env={"AGENTENV_DISK_QUOTA": "loop", "AGENTENV_DEFAULT_DISK_MB": "256",
+                                            "AGENTENV_POOL_SIZE": "0"})
+    try:
+        stages = lambda: counter_at(srv.url, "agentenv_proxy_host_file_stages_total")  # noqa: E731
+        sbx = Sandbox.create(timeout=300, **srv.sdk_opts())
+        srv.known_ids.add(sbx.sandbox_id)
+        rootfs = data_dir / "sandboxes" / sbx.sandbox_id / "rootfs"
+
+        def free() -> int:
+            st = os.statvfs(rootfs)
+            return st.f_bavail * st.f_frsize
+
+        size = 40 * MIB
+        fill = free() - 70 * MIB  # leaves 70 MiB: room for the upload once, not twice
+        assert fill > 0, free()
+        sbx.commands.run(f"head -c {fill} /dev/zero > /home/user/fill && sync")
+        assert size + 8 * MIB < free() < 2 * size, free()
+        before = stages()
+        data = os.urandom(size)
+        sbx.files.write("/home/user/tight.bin", data)
+        assert sha_in(sbx, "/home/user/tight.bin") == hashlib.sha256(data).hexdigest()
+        assert stages() == before, "an upload without room for it twice was staged"
+
+        sbx.commands.run("rm /home/user/fill /home/user/tight.bin && sync")
+        sbx.files.write("/home/user/roomy.bin", data)
+        assert sha_in(sbx, "/home/user/roomy.bin") == hashlib.sha256(data).hexdigest()
+        assert stages() == before + 1
+        sbx.kill()
+    finally:
+        srv.stop()
+        remove_data_dir(data_dir)
