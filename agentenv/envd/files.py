@@ -372,7 +372,9 @@ async def _send_plain(request: web.Request, resp: web.StreamResponse, fd: int, o
         raise ConnectionResetError("connection lost")
     with os.fdopen(fd, "rb", buffering=0, closefd=False) as fobj:
         try:
-            await asyncio.get_running_loop().sendfile(transport, fobj, offset, count, fallback=False)
+            sent = await asyncio.get_running_loop().sendfile(transport, fobj, offset, count, fallback=False)
+            if sent < count:
+                _cut_short(transport)
             return
         except (NotImplementedError, asyncio.SendfileNotAvailableError):
             pass
@@ -380,9 +382,16 @@ async def _send_plain(request: web.Request, resp: web.StreamResponse, fd: int, o
     while offset < end:
         chunk = await _on_io(os.pread, fd, min(WRITE_BATCH, end - offset), offset)
         if not chunk:
-            break
+            _cut_short(transport)
+            return
         offset += len(chunk)
         await resp.write(chunk)
+
+
+def _cut_short(transport: asyncio.BaseTransport) -> None:
+    """The file shrank while it was sent: fewer bytes than the Content-Length promised. Only closing
+    the connection tells the client (as Go's server does); open, it would wait for the rest."""
+    transport.close()
 
 
 @functools.cache

@@ -249,8 +249,18 @@ class HostTransfer:
                 await response.prepare(self.request)
                 if self.request.transport is None:
                     raise ConnectionResetError("client gone")
+                transport = self.request.transport
                 with os.fdopen(fd, "rb", buffering=0, closefd=False) as fobj:
-                    await asyncio.get_running_loop().sendfile(self.request.transport, fobj, 0, size)
+                    sent = await asyncio.get_running_loop().sendfile(transport, fobj, 0, size)
+                if sent < size:
+                    # Cut short in the sandbox meanwhile. The headers promised `size` bytes: only
+                    # closing the connection tells the client (HTTP/1.1 has no other way), where
+                    # keeping it open would leave it waiting for bytes that never come.
+                    log.info("sandbox %s: %s shrank to %d of %d bytes while it was sent; connection closed",
+                             self.sandbox_id, path, sent, size)
+                    transport.close()
+                    self.stats.errors["file_shrank"] += 1
+                    return response
                 await response.write_eof()
             except ConnectionError:
                 self.stats.errors["client_disconnect"] += 1

@@ -436,3 +436,40 @@ def test_upload_without_room_to_stage_goes_through_envd(server):
     finally:
         srv.stop()
         remove_data_dir(data_dir)
+
+
+@pytest.mark.parametrize("where", ["/home/user", "/dev/shm"])
+def test_a_file_cut_short_while_it_downloads_ends_the_download(sandbox_factory, where):
+    """A program in the sandbox truncates the file while a client downloads it (from the host, or
+    from envd for /dev/shm): the client sees the response end short at once (the connection closes),
+    rather than waiting for bytes that will never come on a connection that then carries garbage."""
+    sbx = sandbox_factory.create()
+    path = f"{where}/shrinks.bin"
+    random_file(sbx, path, 32 * MIB)
+    received: list[int] = []
+    begun = threading.Event()
+    outcome: list[object] = []
+
+    def client() -> None:
+        try:
+            with requests.get(sbx.download_url(path), stream=True, timeout=60) as r:
+                for chunk in r.iter_content(64 * 1024):
+                    received.append(len(chunk))
+                    begun.set()
+                    time.sleep(0.01)
+            outcome.append("complete")
+        except requests.RequestException as exc:
+            outcome.append(exc)
+        finally:
+            begun.set()
+
+    t = threading.Thread(target=client, daemon=True)
+    t.start()
+    assert begun.wait(60)
+    sbx.commands.run(f"truncate -s {MIB} {path}")
+    t0 = time.monotonic()
+    t.join(50)
+    assert not t.is_alive(), "the client still waits for bytes of a file that was cut short"
+    assert time.monotonic() - t0 < 30
+    assert outcome and outcome[0] != "complete" and sum(received) < 32 * MIB, (outcome, sum(received))
+    assert sbx.files.read(path, format="bytes")[:16] is not None  # the sandbox still serves files
