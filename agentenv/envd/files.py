@@ -247,9 +247,11 @@ def _writev_all(fd: int, pieces: list) -> None:
             views[i] = views[i][n:]
 
 
-class _BatchWriter:
+class BatchWriter:
     """Writes an upload's pieces to fd in batches (one writev on an I/O thread per ~4 MiB) and gathers
-    the next batch from the network while the previous one is being written.
+    the next batch from the network while the previous one is being written. The event loop never
+    waits for the disk (a write can block for long once the kernel throttles dirty pages). Also the
+    host's writer of staged uploads (`agentenv.proxy.hostfiles`).
 
     At most one batch is in flight; `settle()` waits for it (blocking, one batch at most) so the fd is
     never closed under a running write, even when the request was cancelled.
@@ -532,7 +534,7 @@ async def _receive(state: EnvdState, user: User, path: str, chunks, budget: _Bud
             raise HTTPFail(400, f"file metadata too large for the filesystem of '{path}'") from None
         raise _os_fail(exc, path) from None
     ok = False
-    writer = _BatchWriter(fd)
+    writer = BatchWriter(fd)
     try:
         if source is not None:
             await _on_io(_copy_from, source, fd, budget)

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from agentenv.envd.files import (HOST_READ_HEADER, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PATH, STAGED_PREFIX,
-                                 part_filename)
+                                 BatchWriter, part_filename)
 from agentenv.envd.state import HOST_TOKEN_HEADER
 
 __all__ = ["applies", "HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
@@ -177,10 +177,22 @@ class Stage:
             os.close(self._dirfd)
 
 
-def write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view):]
+async def _write_staged(fd: int, pieces: AsyncIterator[bytes]) -> None:
+    """`pieces` into the staged file `fd` (closed after), written on I/O threads in batches
+    (`BatchWriter`): a disk that makes writes wait stalls this upload, never the server's event loop."""
+    writer = BatchWriter(fd)
+    try:
+        async for piece in pieces:
+            await writer.add(piece)
+        await writer.finish()
+    finally:
+        writer.settle()
+        os.close(fd)
+
+
+async def _part_chunks(part: aiohttp.BodyPartReader) -> AsyncIterator[bytes]:
+    while chunk := await part.read_chunk(_PART_CHUNK):
+        yield chunk
 
 
 Send = Callable[..., Awaitable["aiohttp.ClientResponse | web.Response"]]
@@ -308,6 +320,13 @@ class HostTransfer:
                 log.info("upload to sandbox %s ended early: %r", self.sandbox_id, exc)
                 return web.json_response({"sandboxId": self.sandbox_id, "message": "The request body ended early",
                                           "code": 400}, status=400)
+            except OSError as exc:  # writing the staged file (the disk filled up meanwhile)
+                log.warning("upload to sandbox %s not staged: %s", self.sandbox_id, exc)
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                status = 507 if full else 500
+                message = "not enough disk space for the upload" if full else f"the upload was not stored: {exc}"
+                return web.json_response({"sandboxId": self.sandbox_id, "message": message, "code": status},
+                                         status=status)
             self.stats.bytes_to_sandbox += request.content_length or 0
             staged = json.dumps({"multipart": multipart, "dir": stage.dir, "files": files})
             handed_over = True
@@ -329,12 +348,7 @@ async def _stage_body(request: web.Request, stage: Stage, multipart: bool) -> li
     """Each file of the body into a staged file: [{"name", "filename"}] (a part's verbatim filename;
     parts not named "file" are skipped, as envd skips them)."""
     if not multipart:
-        fd = stage.create()
-        try:
-            async for piece in request.content.iter_any():
-                write_all(fd, piece)
-        finally:
-            os.close(fd)
+        await _write_staged(stage.create(), request.content.iter_any())
         return [{"name": stage.names[-1], "filename": None}]
     files: list[dict[str, str | None]] = []
     reader = await request.multipart()
@@ -345,10 +359,5 @@ async def _stage_body(request: web.Request, stage: Stage, multipart: bool) -> li
         if not isinstance(part, aiohttp.BodyPartReader) or part.name != "file":
             await part.release()
             continue
-        fd = stage.create()
-        try:
-            while chunk := await part.read_chunk(_PART_CHUNK):
-                write_all(fd, chunk)
-        finally:
-            os.close(fd)
+        await _write_staged(stage.create(), _part_chunks(part))
         files.append({"name": stage.names[-1], "filename": part_filename(part)})
