@@ -54,7 +54,7 @@ MAX_METADATA_TOTAL = 4096
 _XATTR_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP)
 # The host's data plane (`agentenv.proxy.hostfiles`), with the host token, asks with these headers:
 # - HOST_READ_HEADER: whether it may send a download from the sandbox's disk itself (the value is the
-#   smallest size worth it);
+#   smallest size worth it, then `HOST_READ_RANGES` if it sends a `Range` request's part too);
 # - HOST_WRITE_HEADER (to STAGED_PATH): whether an upload of that many bytes may be staged
 #   (credentials, user, size);
 #   envd answers with a new, empty directory in "/" for it (the header's value: its name);
@@ -63,6 +63,7 @@ _XATTR_UNSUPPORTED = (errno.ENOTSUP, errno.EOPNOTSUPP)
 # The directory is envd's own and new: gVisor, which caches a directory's listing once a program read
 # it and then answers lookups of other names with ENOENT, has no listing of it to hide the host's files.
 HOST_READ_HEADER = "X-Agentenv-Host-Read"
+HOST_READ_RANGES = "ranges"
 HOST_WRITE_HEADER = "X-Agentenv-Host-Write"
 STAGED_PATH = "/agentenv/files"  # where the host sends the last two (`post_staged`)
 STAGED_HEADER = "X-Agentenv-Staged"
@@ -401,14 +402,16 @@ def _root_device() -> int:
     return os.stat("/").st_dev
 
 
-def _host_may_send(request: web.Request, state: EnvdState, st: os.stat_result) -> bool:
-    """The host asked to send this whole, plain download itself, and the file lives on the sandbox's
-    root filesystem (the host's view of it is the same file: gVisor writes through to it). Files on
+def _host_may_send(request: web.Request, state: EnvdState, st: os.stat_result, *, ranged: bool) -> bool:
+    """The host asked to send this uncompressed download itself (a `Range` request's part only if it
+    said it sends those), and the file lives on the sandbox's root filesystem (the host's view of it is the same file: gVisor writes through to it). Files on
     other mounts (/dev/shm, a tmpfs the user mounted) have another device and stay with envd."""
-    wanted = request.headers.get(HOST_READ_HEADER, "")
-    if not wanted.isdigit() or not state.from_host(request):
+    wanted = request.headers.get(HOST_READ_HEADER, "").split()
+    if not wanted or not wanted[0].isdigit() or not state.from_host(request):
         return False
-    return (request.method == hdrs.METH_GET and stat.S_ISREG(st.st_mode) and st.st_size >= int(wanted)
+    if ranged and HOST_READ_RANGES not in wanted[1:]:  # a host that sends whole files only
+        return False
+    return (request.method == hdrs.METH_GET and stat.S_ISREG(st.st_mode) and st.st_size >= int(wanted[0])
             and st.st_dev == _root_device())
 
 
@@ -450,19 +453,18 @@ async def get_files(request: web.Request) -> web.StreamResponse:
         compressor = None
         if byte_range:
             resp.headers[hdrs.CONTENT_RANGE] = f"bytes {start}-{end}/{size}"
-            resp.content_length = end - start + 1
         elif _accepts_gzip(request.headers.get(hdrs.ACCEPT_ENCODING, "")) and await _on_io(_worth_compressing, fd):
             compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
             resp.headers[hdrs.CONTENT_ENCODING] = "gzip"
-        elif _host_may_send(request, state, st):
-            # The response's headers and the file's canonical path: the host opens it in the sandbox's
-            # root (never outside it) and checks it is the same size before sending it.
+        if compressor is None and _host_may_send(request, state, st, ranged=byte_range is not None):
+            # The response's status, headers and bytes, and the file's canonical path: the host opens
+            # it in the sandbox's root (never outside it) and checks it is the same file first.
             return web.json_response(
                 {"path": await _on_io(os.path.realpath, path), "size": size, "mtime": st.st_mtime,
-                 "headers": dict(resp.headers)},
+                 "status": resp.status, "offset": start, "count": end - start + 1, "headers": dict(resp.headers)},
                 headers={HOST_READ_HEADER: "1"})
-        else:
-            resp.content_length = size
+        if compressor is None:
+            resp.content_length = end - start + 1
         await resp.prepare(request)
         if request.method == hdrs.METH_HEAD:
             pass  # headers only (the route also answers HEAD)

@@ -9,10 +9,11 @@ host's page cache it moves at disk speed. For a sandbox whose runtime declares
 decides everything it decides for any transfer (token or signature, user, permissions, ranges, gzip,
 the size limit):
 
-- a download (`HOST_READ_HEADER`): for a whole, uncompressed file of at least `MIN_BYTES` on the
-  sandbox's root filesystem envd answers with the file's canonical path, size and response headers
-  instead of the bytes, and the proxy sends the file itself (`open_checked`, `sendfile(2)`); a path
-  that is not a regular file of that size there goes back to envd;
+- a download (`HOST_READ_HEADER`): for an uncompressed file of at least `MIN_BYTES` on the
+  sandbox's root filesystem envd answers with the file's canonical path, size, the response's status
+  and headers and the part to send (all of it, or a `Range` request's part) instead of the bytes, and
+  the proxy sends that itself (`open_checked`, `sendfile(2)`); a path that is not a regular file of
+  that size there goes back to envd;
 - an upload of at least `MIN_BYTES` (`HOST_WRITE_HEADER`): envd checks it and makes a new staging dir,
   the proxy writes the body (each multipart file part) into it (`Stage`), and envd takes the files
   (`STAGED_HEADER`): it opens each destination as for any upload and copies the bytes in.
@@ -41,8 +42,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
-from agentenv.envd.files import (HOST_READ_HEADER, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PATH, STAGED_PREFIX,
-                                 BatchWriter, part_filename)
+from agentenv.envd.files import (HOST_READ_HEADER, HOST_READ_RANGES, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PATH,
+                                 STAGED_PREFIX, BatchWriter, part_filename)
 from agentenv.envd.state import HOST_TOKEN_HEADER
 
 __all__ = ["applies", "HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
@@ -223,7 +224,7 @@ class HostTransfer:
         return asked
 
     async def download(self, headers: CIMultiDict[str]) -> web.StreamResponse:
-        upstream = await self.send(self._as_host(headers, HOST_READ_HEADER, str(MIN_BYTES)))
+        upstream = await self.send(self._as_host(headers, HOST_READ_HEADER, f"{MIN_BYTES} {HOST_READ_RANGES}"))
         if isinstance(upstream, web.Response):
             return upstream
         if not upstream.headers.get(HOST_READ_HEADER):
@@ -240,6 +241,10 @@ class HostTransfer:
             info = await upstream.json()
             path, size, headers = str(info["path"]), int(info["size"]), dict(info["headers"])
             mtime = float(info["mtime"])
+            # the part of a Range request (an envd before ranges: the whole file)
+            status, offset, count = int(info.get("status", 200)), int(info.get("offset", 0)), int(info.get("count", size))
+            if not (status in (200, 206) and 0 <= offset and 0 <= count and offset + count <= size):
+                raise ValueError(f"not a part of the file: {status} {offset}+{count} of {size}")
         except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             log.info("sandbox %s: unusable answer to a host read: %r", self.sandbox_id, exc)
             return None
@@ -251,11 +256,11 @@ class HostTransfer:
         if fd is None:
             return None
         try:
-            response = web.StreamResponse(status=200)
+            response = web.StreamResponse(status=status)
             for key, value in headers.items():
                 if key.lower() not in _NOT_THE_FILES:
                     response.headers[key] = str(value)
-            response.content_length = size
+            response.content_length = count
             self.started(response)
             try:
                 await response.prepare(self.request)
@@ -263,13 +268,13 @@ class HostTransfer:
                     raise ConnectionResetError("client gone")
                 transport = self.request.transport
                 with os.fdopen(fd, "rb", buffering=0, closefd=False) as fobj:
-                    sent = await asyncio.get_running_loop().sendfile(transport, fobj, 0, size)
-                if sent < size:
+                    sent = await asyncio.get_running_loop().sendfile(transport, fobj, offset, count)
+                if sent < count:
                     # Cut short in the sandbox meanwhile. The headers promised `size` bytes: only
                     # closing the connection tells the client (HTTP/1.1 has no other way), where
                     # keeping it open would leave it waiting for bytes that never come.
-                    log.info("sandbox %s: %s shrank to %d of %d bytes while it was sent; connection closed",
-                             self.sandbox_id, path, sent, size)
+                    log.info("sandbox %s: %s shrank while it was sent (%d of %d bytes); connection closed",
+                             self.sandbox_id, path, sent, count)
                     transport.close()
                     self.stats.errors["file_shrank"] += 1
                     return response
@@ -278,7 +283,7 @@ class HostTransfer:
                 self.stats.errors["client_disconnect"] += 1
                 return response
             self.stats.files_from_host += 1
-            self.stats.bytes_from_sandbox += size
+            self.stats.bytes_from_sandbox += count
             return response
         finally:
             os.close(fd)

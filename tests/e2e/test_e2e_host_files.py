@@ -499,3 +499,23 @@ def test_plain_curl_moves_large_files_both_ways(sbx: Sandbox, host_sends, host_s
         assert r.returncode == 0, r.stderr[-3000:]
         assert hashlib.sha256(out.read_bytes()).hexdigest() == want
     assert host_stages() == stages + 2 and host_sends() == sends + 2
+
+
+def test_range_requests_are_sent_from_the_host(sbx: Sandbox, host_sends):
+    """`Range` parts of a large file (a span, an open end, a suffix) come from the host with envd's
+    206 and Content-Range; a range past the end stays envd's 416."""
+    path = "/home/user/ranged.bin"
+    data = os.urandom(5 * MIB + 3)
+    sbx.files.write(path, data)
+    url = sbx.download_url(path)
+    before = host_sends()
+    for header, (start, end) in (("bytes=1000-2000999", (1000, 2000999)), ("bytes=4000000-", (4000000, len(data) - 1)),
+                                 ("bytes=-4096", (len(data) - 4096, len(data) - 1))):
+        r = requests.get(url, headers={"Range": header}, timeout=60)
+        assert r.status_code == 206, (header, r.status_code, r.text[:200])
+        assert r.headers["Content-Range"] == f"bytes {start}-{end}/{len(data)}", header
+        assert r.content == data[start:end + 1], header
+    assert host_sends() == before + 3
+    r = requests.get(url, headers={"Range": f"bytes={len(data) + 10}-"}, timeout=60)
+    assert r.status_code == 416 and r.headers["Content-Range"] == f"bytes */{len(data)}"
+    assert host_sends() == before + 3
