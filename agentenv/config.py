@@ -217,6 +217,8 @@ class Settings(BaseSettings):
     cluster_ca_file: Path | None = None
     cluster_cert_file: Path | None = None
     cluster_key_file: Path | None = None
+    # How often every role looks for a renewed certificate or key file (and reloads it, no restart).
+    cluster_cert_reload_s: float = Field(default=30.0, gt=0)
     node_id: str = Field(default_factory=socket.gethostname)
     # URL the other roles use to reach this node's internal API and sandbox traffic.
     node_url: str | None = None

@@ -127,13 +127,14 @@ def client_context(settings) -> ssl.SSLContext:
 
 
 class Reloader:
-    """Re-reads the certificate and key into the contexts when their files change."""
+    """Re-reads the certificate and key into the contexts when their files change (looked at every
+    `cluster_cert_reload_s`)."""
 
-    def __init__(self, settings, *contexts: ssl.SSLContext, interval_s: float = 30.0) -> None:
+    def __init__(self, settings, *contexts: ssl.SSLContext) -> None:
         self.settings = settings
         self.contexts = contexts
         self.on_reload: list[Callable[[], Awaitable[None]]] = []  # e.g. the node's HAProxy listener
-        self.interval_s = interval_s
+        self.interval_s = settings.cluster_cert_reload_s
         self._stamp = self._mtime()
         self._task: asyncio.Task | None = None
 

@@ -402,7 +402,8 @@ def cluster() -> Cluster:
                   "AGENTENV_S3_ACCESS_KEY": s3.access_key, "AGENTENV_S3_SECRET_KEY": s3.secret_key,
                   "AGENTENV_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "AGENTENV_NODE_DEAD_AFTER_S": str(DEAD_AFTER_S),
                   "AGENTENV_LOG_LEVEL": "INFO", "AGENTENV_MAX_STARTING_PER_NODE": "2",
-                  "AGENTENV_ADMISSION_WAIT_S": "30"}
+                  "AGENTENV_ADMISSION_WAIT_S": "30",
+                  "AGENTENV_CLUSTER_CERT_RELOAD_S": "5"}  # renewed certificates looked for every 5 s (default 30)
         sched_port, gw_port = free_port(), free_port()
         # on the LAN: nodes cut off from PostgreSQL relay their heartbeats through it (fencing)
         scheduler = _start_role("scheduler", {**common, **pki.env("scheduler", "scheduler", (f"{LAN}.1",)),

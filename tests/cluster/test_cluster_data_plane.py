@@ -78,7 +78,7 @@ def served_certificate(node) -> bytes:
 
 def test_a_renewed_node_certificate_is_served_without_a_restart(cluster):
     """Node certificates are short-lived: a renewal (new files) reaches HAProxy's listener within a
-    reload round (30 s), with no restart, and the renewed node keeps serving the gateway."""
+    reload round (`cluster_cert_reload_s`: 5 s here), with no restart, and the renewed node keeps serving the gateway."""
     if shutil.which("haproxy") is None:
         pytest.skip("haproxy is not installed (apt-get install haproxy): nodes use the Python proxy")
     node = cluster.nodes["a"]
@@ -168,7 +168,7 @@ def test_gateway_hop_is_haproxy_and_private_sandboxes_keep_their_token(cluster, 
         assert r.status_code == 502 and r.json()["sandboxId"] == killed, r.text
         assert killed not in gateway_routes(hp_dir, gw)
 
-        # a renewed gateway certificate reaches HAProxy's hop without a restart (reload round: 30 s)
+        # a renewed gateway certificate reaches HAProxy's hop without a restart (reload round: 5 s here)
         cluster.pki.issue("gateway", "gateway")
         deadline = time.monotonic() + 75
         while "cluster certificate reloaded into haproxy" not in gw.log_path.read_text():
