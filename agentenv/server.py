@@ -72,7 +72,6 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     from agentenv.network.manager import NetworkManager
     from agentenv.orchestrator.service import Orchestrator
     from agentenv.proxy import hostfiles
-    from agentenv.proxy.hostfiles import HostFiles
     from agentenv.proxy.traffic import TrafficProxy
     from agentenv.state import store_for
     from agentenv.storage.artifacts import ArtifactCache
@@ -94,7 +93,7 @@ async def build(settings: Settings, *, store=None, publish_paused: bool = False)
     orch = Orchestrator(settings, store, images, RootfsManager(settings.paths, settings.disk_quota), NetworkManager(settings, spare_slots=settings.network_spare_slots),
                         default_runtime, ArtifactCache(settings.data_dir, snapshot_store),
                         extra_runtimes=extra_runtimes, publish_paused=publish_paused)
-    host_files = (HostFiles(orch.host.shared_rootfs, orch.host.host_token)
+    host_files = (hostfiles.HostFiles(orch.host.shared_rootfs, orch.host.host_token)
                   if hostfiles.applies(orch.host.runtimes.values(), settings.sandbox_bandwidth_mbit) else None)
     proxy = TrafficProxy(orch, domain=settings.sandbox_domain(), host_files=host_files)
     orch.on_before_stop.append(proxy.close_sandbox_connections)

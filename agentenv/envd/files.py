@@ -404,8 +404,9 @@ def _root_device() -> int:
 
 def _host_may_send(request: web.Request, state: EnvdState, st: os.stat_result, *, ranged: bool) -> bool:
     """The host asked to send this uncompressed download itself (a `Range` request's part only if it
-    said it sends those), and the file lives on the sandbox's root filesystem (the host's view of it is the same file: gVisor writes through to it). Files on
-    other mounts (/dev/shm, a tmpfs the user mounted) have another device and stay with envd."""
+    said it sends those), and the file lives on the sandbox's root filesystem (the host's view of it
+    is the same file: gVisor writes through to it). Files on other mounts (/dev/shm, a tmpfs the user
+    mounted) have another device and stay with envd."""
     wanted = request.headers.get(HOST_READ_HEADER, "").split()
     if not wanted or not wanted[0].isdigit() or not state.from_host(request):
         return False
@@ -583,7 +584,8 @@ async def _body_pieces(request: web.Request):
         yield piece
 
 
-async def _part_chunks(part):
+async def part_chunks(part):
+    """A multipart part's bytes, CHUNK at a time (also the host's staging of a part, `hostfiles`)."""
     while True:
         chunk = await part.read_chunk(CHUNK)
         if not chunk:
@@ -615,6 +617,12 @@ def _destination(query_path: str | None, filename: str | None, user: User, seen:
         raise HTTPFail(400, f"path '{path}' is given more than once")
     seen.add(path)
     return path
+
+
+def staged_header(multipart: bool, staging: str, files: list[dict[str, str | None]]) -> str:
+    """The `STAGED_HEADER` value the host sends (`_staged_list` reads it back): the upload's kind,
+    its staging dir, and each staged file's name with its part's filename."""
+    return json.dumps({"multipart": multipart, "dir": staging, "files": files})
 
 
 def _staged_list(raw: str) -> tuple[bool, str, list[tuple[str, str | None]]]:
@@ -749,11 +757,10 @@ async def post_staged(request: web.Request) -> web.StreamResponse:
 
 def _discard_staged(raw: str) -> None:
     try:
-        staging = str(json.loads(raw)["dir"])
-    except (ValueError, KeyError, TypeError):
+        _, staging, _ = _staged_list(raw)
+    except HTTPFail:  # not a staged upload's header: nothing of ours to remove
         return
-    if _STAGED_DIR.match(staging):
-        shutil.rmtree("/" + staging, True)
+    shutil.rmtree("/" + staging, True)
 
 
 async def post_files(request: web.Request) -> web.StreamResponse:
@@ -778,7 +785,7 @@ async def post_files(request: web.Request) -> web.StreamResponse:
                     await _guard_multipart(part.release())
                     continue
                 path = _destination(query_path, part_filename(part), user, seen, True)
-                results.append(await _guard_multipart(_receive(state, user, path, _part_chunks(part), budget, meta)))
+                results.append(await _guard_multipart(_receive(state, user, path, part_chunks(part), budget, meta)))
             if not results:
                 raise HTTPFail(400, "no file part in the request")
         else:

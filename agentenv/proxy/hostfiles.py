@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
-import json
 import logging
 import os
 import stat
@@ -43,12 +42,11 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
 from agentenv.envd.files import (HOST_READ_HEADER, HOST_READ_RANGES, HOST_WRITE_HEADER, STAGED_HEADER, STAGED_PATH,
-                                 STAGED_PREFIX, BatchWriter, part_filename)
+                                 STAGED_PREFIX, BatchWriter, part_chunks, part_filename, staged_header)
 from agentenv.envd.state import HOST_TOKEN_HEADER
 
-__all__ = ["applies", "HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES", "HostFiles",
-           "HostTransfer",
-           "Stage", "open_checked", "open_in_root", "room_to_stage"]
+__all__ = ["applies", "HOST_READ_HEADER", "HOST_TOKEN_HEADER", "HOST_WRITE_HEADER", "STAGED_HEADER", "MIN_BYTES",
+           "HostFiles", "HostTransfer", "Stage", "open_checked", "open_in_root", "room_to_stage"]
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +57,8 @@ STAGE_SPARE_BYTES = 16 << 20
 # Headers of envd's answer to a host read that do not describe the file the host sends.
 _NOT_THE_FILES = frozenset({"content-length", "transfer-encoding", "connection", "date", "server",
                             HOST_READ_HEADER.lower()})
+# How far the mtime the host sees may be from envd's (gVisor keeps its own copy of the time).
 MTIME_SLACK_S = 2.0
-# How much of a multipart file part is read at once while staging it.
-_PART_CHUNK = 1 << 20
 
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (it postdates the split tables)
 _RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_IN_ROOT = 0x01, 0x02, 0x10
@@ -189,11 +186,6 @@ async def _write_staged(fd: int, pieces: AsyncIterator[bytes]) -> None:
     finally:
         writer.settle()
         os.close(fd)
-
-
-async def _part_chunks(part: aiohttp.BodyPartReader) -> AsyncIterator[bytes]:
-    while chunk := await part.read_chunk(_PART_CHUNK):
-        yield chunk
 
 
 Send = Callable[..., Awaitable["aiohttp.ClientResponse | web.Response"]]
@@ -332,8 +324,8 @@ class HostTransfer:
                 message = "not enough disk space for the upload" if full else f"the upload was not stored: {exc}"
                 return web.json_response({"sandboxId": self.sandbox_id, "message": message, "code": status},
                                          status=status)
-            self.stats.bytes_to_sandbox += request.content_length or 0
-            staged = json.dumps({"multipart": multipart, "dir": stage.dir, "files": files})
+            self.stats.bytes_to_sandbox += length
+            staged = staged_header(multipart, stage.dir, files)
             handed_over = True
             upstream = await self.send(self._as_host(headers, STAGED_HEADER, staged), body=False, path=STAGED_PATH)
             if isinstance(upstream, web.Response):
@@ -364,5 +356,5 @@ async def _stage_body(request: web.Request, stage: Stage, multipart: bool) -> li
         if not isinstance(part, aiohttp.BodyPartReader) or part.name != "file":
             await part.release()
             continue
-        await _write_staged(stage.create(), _part_chunks(part))
+        await _write_staged(stage.create(), part_chunks(part))
         files.append({"name": stage.names[-1], "filename": part_filename(part)})

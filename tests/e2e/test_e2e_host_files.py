@@ -74,17 +74,40 @@ def random_file(sbx: Sandbox, path: str, size: int = 64 * MIB) -> str:
     return sha_in(sbx, path)
 
 
-def slow_download(url: str, received: list[int], begun: threading.Event):
-    """A client reading a download 64 KiB at a time, slowly; sets `begun` at its first bytes."""
+def open_below(path: Path, pids: list[int]) -> list[str]:
+    """Descriptors of processes `pids` open on files below `path`: "<pid>: <target>"."""
+    found = []
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(f"{path}/"):
+                found.append(f"{pid}: {target}")
+    return found
+
+
+def slow_download(url: str, received: list[int], begun: threading.Event, outcome: list[object] | None = None,
+                  pause_s: float = 0.05, timeout: float = 120):
+    """A client reading a download 64 KiB at a time, `pause_s` between pieces; sets `begun` at its
+    first bytes; puts "complete" or the error that ended it in `outcome`."""
     def client() -> None:
         try:
-            with requests.get(url, stream=True, timeout=120) as r:
+            with requests.get(url, stream=True, timeout=timeout) as r:
                 for chunk in r.iter_content(64 * 1024):
                     received.append(len(chunk))
                     begun.set()
-                    time.sleep(0.05)
-        except requests.RequestException:
-            pass
+                    time.sleep(pause_s)
+            if outcome is not None:
+                outcome.append("complete")
+        except requests.RequestException as exc:
+            if outcome is not None:
+                outcome.append(exc)
         finally:
             begun.set()
     return client
@@ -358,24 +381,6 @@ def test_kill_during_a_host_transfer_leaves_nothing(server, sandbox_factory, tra
     assert holders == [], f"descriptors still open on the killed sandbox's files: {holders}"
 
 
-def open_below(path: Path, pids: list[int]) -> list[str]:
-    """Descriptors of processes `pids` open on files below `path`: "<pid>: <target>"."""
-    found = []
-    for pid in pids:
-        try:
-            fds = list(Path(f"/proc/{pid}/fd").iterdir())
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith(f"{path}/"):
-                found.append(f"{pid}: {target}")
-    return found
-
-
 def test_fork_during_a_host_download_keeps_both(sandbox_factory):
     """A fork while the host sends the source's file: the source keeps running with the file, and
     the child has the same bytes (the download either ends whole or is cut, never corrupts either)."""
@@ -449,20 +454,7 @@ def test_a_file_cut_short_while_it_downloads_ends_the_download(sandbox_factory, 
     received: list[int] = []
     begun = threading.Event()
     outcome: list[object] = []
-
-    def client() -> None:
-        try:
-            with requests.get(sbx.download_url(path), stream=True, timeout=60) as r:
-                for chunk in r.iter_content(64 * 1024):
-                    received.append(len(chunk))
-                    begun.set()
-                    time.sleep(0.01)
-            outcome.append("complete")
-        except requests.RequestException as exc:
-            outcome.append(exc)
-        finally:
-            begun.set()
-
+    client = slow_download(sbx.download_url(path), received, begun, outcome, pause_s=0.01, timeout=60)
     t = threading.Thread(target=client, daemon=True)
     t.start()
     assert begun.wait(60)
