@@ -828,8 +828,12 @@ main.add_command(setup_command)  # host packages (agentenv/hostsetup/host-packag
 @click.option("--grace", "grace_s", type=float, default=None,
               help="With --store: seconds an unreferenced blob is kept after its last write "
                    "(default: store_gc_grace_s, 3600).")
-def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | None) -> None:
-    """Remove containers, netns, mounts and dirs of this data dir that no live sandbox owns.
+@click.option("--gateway", "gateways", is_flag=True,
+              help="Only the HAProxy that killed cluster gateways of this data dir left running, and their "
+                   "files (a gateway's data dir: no sandboxes, no store). Running gateways are left alone.")
+def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | None, gateways: bool) -> None:
+    """Remove containers, netns, mounts and dirs of this data dir that no live sandbox owns, and the
+    HAProxy a killed server or cluster gateway of this data dir left running.
 
     Refuses while a server runs on the data dir. Running sandboxes cannot outlive their server's
     state, so all of them are removed; paused sandboxes (kept on disk) are not touched.
@@ -845,6 +849,12 @@ def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | Non
         return
     if dry_run or grace_s is not None:
         raise click.UsageError("--dry-run and --grace go with --store")
+    if gateways:
+        from agentenv.proxy import dataplane
+
+        left = asyncio.run(dataplane.stop_leftover_gateways(settings))
+        click.echo(f"gateway haproxy: removed {len(left)}" + (f" ({', '.join(left)})" if left else ""))
+        return
     _require_root()
 
     async def go():
@@ -879,6 +889,7 @@ def gc(data_dir: str | None, store_gc: bool, dry_run: bool, grace_s: float | Non
             except GcIncomplete as e:
                 removed, failed = e.removed, e.failed
             removed["haproxy"] = await dataplane.stop_leftover(settings)  # a crashed server's data plane
+            removed["gateway haproxy"] = await dataplane.stop_leftover_gateways(settings)  # killed gateways'
             # socket dirs in the temp dir of other killed servers whose data dirs were deleted since
             removed["data plane socket dirs"] = await asyncio.to_thread(sweep_orphan_sock_dirs)
             c.orchestrator.captures.drop_kept_images()  # forks in flight ended with that server

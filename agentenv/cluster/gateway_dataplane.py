@@ -31,6 +31,7 @@ import shutil
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -152,6 +153,7 @@ class GatewayDataPlane:
         self._touched: set[str] = set()   # changed by an event or a call while the store was read
         self._reconcile_now = asyncio.Event()
         self._reconciled_at = 0.0
+        self._release: Callable[[], None] | None = None  # the port's lock (dataplane.hold_gateway)
 
     # ------------------------------------------------------------------ routes
 
@@ -231,8 +233,12 @@ class GatewayDataPlane:
 
     async def start(self, runner: web.AppRunner) -> web.BaseSite:
         from agentenv.cluster import tls
-        from agentenv.server import on_signals, start_behind
+        from agentenv.server import StartupError, on_signals, start_behind
 
+        try:
+            self._release = await dataplane.hold_gateway(self.layout)
+        except dataplane.GatewayBusy as e:
+            raise StartupError(str(e)) from None
         self.layout.dir.mkdir(parents=True, exist_ok=True)
         if self._hop.pem is not None:
             tls.write_pem(self._settings, self._hop.pem)
@@ -265,6 +271,9 @@ class GatewayDataPlane:
         await self.dp.stop()
         if not self.dp.external:  # an external HAProxy goes on running from them
             shutil.rmtree(self.layout.dir, ignore_errors=True)  # config, maps and a copy of the key
+        if self._release is not None:
+            self._release()
+            self._release = None
         if self._watch is not None:
             await self._watch.stop()
         if self._task is not None:

@@ -9,7 +9,10 @@ mark sandboxes for a route update, and a sandbox about to stop leaves the fast p
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
+import os
 import shutil
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,8 +69,82 @@ def layout(settings: Settings) -> HaproxyLayout:
 
 def gateway_layout(settings: Settings) -> HaproxyLayout:
     """A cluster gateway's: per port (replicas may share a data dir)."""
-    base = settings.data_dir / "gateway-haproxy" / str(settings.port)
+    return _gateway_layout(settings.data_dir / "gateway-haproxy" / str(settings.port))
+
+
+def _gateway_layout(base: Path) -> HaproxyLayout:
     return HaproxyLayout(base, sock_dir_for(base))
+
+
+class GatewayBusy(Exception):
+    """Another gateway runs on this port with this data dir."""
+
+
+def _try_lock(path: Path) -> int | None:
+    """An open descriptor of `path` holding its exclusive lock, or None when someone else holds it.
+    A holder unlinks the file before it lets go, so a lock taken on a file no longer at `path` is
+    taken again on the new one."""
+    while True:
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _let_go(path: Path, fd: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    os.close(fd)
+
+
+async def hold_gateway(layout: HaproxyLayout) -> Callable[[], None]:
+    """A gateway holds `<port>.lock` next to its HAProxy's dir for as long as it runs, so `agentenv gc`
+    tells a running gateway's HAProxy from one a killed gateway left. Returns what lets go (and
+    removes the file). `agentenv gc` holds a killed gateway's lock for a moment: waited for."""
+    layout.dir.parent.mkdir(parents=True, exist_ok=True)
+    lock = layout.dir.with_suffix(".lock")
+    for _ in range(50):
+        fd = _try_lock(lock)
+        if fd is not None:
+            return lambda: _let_go(lock, fd)
+        await asyncio.sleep(0.1)
+    raise GatewayBusy(f"another gateway runs on port {layout.dir.name} with the data dir "
+                      f"{layout.dir.parent.parent} ({lock} is locked)")
+
+
+async def stop_leftover_gateways(settings: Settings) -> list[str]:
+    """`agentenv gc`: the HAProxy of each gateway of this data dir that was killed (no gateway holds
+    its port's lock), its files and socket dir. A running gateway's are not touched. With
+    `haproxy_external` the HAProxy is its own component's: only the gateway's side of the socket dir
+    goes."""
+    removed = []
+    for lock in sorted((settings.data_dir / "gateway-haproxy").glob("*.lock")):
+        fd = _try_lock(lock)
+        if fd is None:
+            continue  # that gateway runs
+        try:
+            lay = _gateway_layout(lock.with_suffix(""))
+            if settings.haproxy_external:
+                release_sock_dir(lay, ours=lay.app_socket, theirs=lay.admin_socket)
+                continue
+            dp = DataPlane(settings.haproxy_path, lay, OrchestratorRoutes(None), http_bind=None)
+            pid = dp.pid()
+            if pid is not None:
+                await dp.stop_leftover()
+                removed.append(f"port {lay.dir.name}: pid {pid}")
+            shutil.rmtree(lay.sock_dir, ignore_errors=True)
+            shutil.rmtree(lay.dir, ignore_errors=True)
+        finally:
+            _let_go(lock, fd)
+    return removed
 
 
 class OrchestratorRoutes:

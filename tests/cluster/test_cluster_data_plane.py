@@ -249,3 +249,55 @@ def test_gateway_with_haproxy_as_its_own_component(cluster, tmp_path):
     assert haproxy_master(config) is None
     assert not sock_dir_for(config.parent).exists(), "the shared socket dir outlived the gateway and its HAProxy"
 
+
+
+def test_a_killed_gateways_haproxy_is_collected_and_a_running_ones_is_not(cluster, tmp_path):
+    """A gateway killed -9 leaves its HAProxy running (as a killed server does: traffic goes on, the
+    next gateway on the port takes it over). `agentenv gc --gateway` on its data dir stops that
+    HAProxy and removes its files, and leaves a running gateway's alone (each holds its port's lock);
+    a second gateway on a running one's port and data dir refuses to start."""
+    if shutil.which("haproxy") is None:
+        pytest.skip("haproxy is not installed")
+    data = tmp_path / "gw-killed"
+    env = {**os.environ, **cluster.extra["gateway_env"], "AGENTENV_DATA_DIR": str(data)}
+
+    def gc() -> str:
+        r = subprocess.run([agentenv_executable(), "gc", "--gateway", "--data-dir", str(data)], env=env,
+                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    def port(gw) -> str:
+        return gw.url.rsplit(":", 1)[1]
+
+    def master(gw) -> int | None:
+        return haproxy_master(data / "gateway-haproxy" / port(gw) / "haproxy.cfg")
+
+    running = cluster.start_gateway({"AGENTENV_DATA_DIR": str(data)})
+    killed = cluster.start_gateway({"AGENTENV_DATA_DIR": str(data)})
+    try:
+        running_pid, killed_pid = master(running), master(killed)
+        assert running_pid is not None and killed_pid is not None
+        second = subprocess.run([agentenv_executable(), "gateway", "--host", "127.0.0.1", "--port", port(running)],
+                                env=env, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert second.returncode != 0 and "another gateway runs on port" in second.stdout + second.stderr, \
+            (second.returncode, (second.stdout + second.stderr)[-2000:])
+        assert "gateway haproxy: removed 0" in gc()
+
+        killed.proc.kill()
+        killed.proc.wait(10)
+        assert master(killed) == killed_pid
+        assert requests.get(f"{killed.url}/health", timeout=10).status_code >= 500  # HAProxy, no gateway
+        out = gc()
+        assert f"port {port(killed)}: pid {killed_pid}" in out, out
+        assert master(killed) is None
+        assert not (data / "gateway-haproxy" / port(killed)).exists()
+        assert not (data / "gateway-haproxy" / f"{port(killed)}.lock").exists()
+        assert not sock_dir_for(data / "gateway-haproxy" / port(killed)).exists()
+        # the running gateway kept its HAProxy and still serves
+        assert master(running) == running_pid
+        assert requests.get(f"{running.url}/health", timeout=10).ok
+    finally:
+        running.stop()
+        killed.stop()
+    assert list((data / "gateway-haproxy").iterdir()) == [], "a stopped gateway left files"
