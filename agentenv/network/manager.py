@@ -32,6 +32,7 @@ import concurrent.futures
 import errno
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import AsyncIterator
@@ -530,7 +531,7 @@ class NetworkManager:
                 if e.code == errno.EEXIST:
                     raise _LinkTaken(slot.veth_host) from e
                 raise
-            (idx,) = await root.link_lookup(ifname=slot.veth_host)
+            idx = _host_index(slot.veth_host)
             await root.link("set", index=idx, ifalias=slot.sandbox_id or self.names.spare_alias(self._owner))
             _disable_ipv6(slot.veth_host)
             await root.addr("add", index=idx, address=slot.peer_ip, prefixlen=30)
@@ -612,7 +613,7 @@ class NetworkManager:
                 await ns.link("set", index=idx, state="down")
             # a link taken down lost its neighbours, permanent ones too; written on the down link
             # they stay when `activate` brings it up, as `_create`'s do
-            (veth_host,) = await root.link_lookup(ifname=slot.veth_host)
+            veth_host = _host_index(slot.veth_host)
             (host0,) = await ns.link_lookup(ifname=NS_HOST_LINK)
             await _host_neighbours(slot, root, veth_host, ns, host0)
             (eth0,) = await ns.link_lookup(ifname=GUEST_LINK)
@@ -740,20 +741,34 @@ def _disable_ipv6(ifname: str) -> None:
         pass  # IPv6 compiled out or disabled globally
 
 
+def _host_index(ifname: str) -> int:
+    """The index of a link of the server's own network namespace: one ioctl (`if_nametoindex`),
+    where pyroute2's `link_lookup` dumps every link and costs ~0.4 ms of the server's CPU.
+    OSError (ENODEV) when there is no such link."""
+    try:
+        return socket.if_nametoindex(ifname)
+    except OSError:  # Python's carries no errno
+        raise OSError(errno.ENODEV, f"no link named {ifname}") from None
+
+
 async def _delete_link(ifname: str) -> None:
+    try:
+        idx = _host_index(ifname)
+    except OSError as e:
+        if e.errno == errno.ENODEV:
+            return
+        raise
     async with _netlink() as ipr:
         try:
-            idx = await ipr.link_lookup(ifname=ifname)
-            if idx:
-                await ipr.link("del", index=idx[0])
+            await ipr.link("del", index=idx)
         except NetlinkError as e:
             if not _ignore(e, errno.ENODEV):
                 raise
 
 
 async def _set_alias(ifname: str, alias: str) -> None:
+    idx = _host_index(ifname)
     async with _netlink() as root:
-        (idx,) = await root.link_lookup(ifname=ifname)
         await root.link("set", index=idx, ifalias=alias)
 
 
