@@ -80,6 +80,20 @@ def place(sandbox_id: str, pid: int, weight: int) -> Path | None:
     return d
 
 
+def _nested(group: str) -> list[str]:
+    """The groups nested in `group`, deepest first. By `scandir`'s entry types: a cgroup v1 group
+    holds dozens of control files, and stat-ing each (`Path.rglob` + `is_dir`) cost a kill
+    ~2 ms of the server's CPU over the controllers."""
+    found, todo = [], [group]
+    while todo:
+        with os.scandir(todo.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    found.append(entry.path)
+                    todo.append(entry.path)
+    return sorted(found, key=lambda p: -p.count("/"))
+
+
 def _groups(sandbox_id: str) -> list[str]:
     """The sandbox's group in every controller (cgroup v1: one tree each) or the unified tree (v2)."""
     return glob.glob(str(CGROUP_FS / "*" / CGROUP_PARENT / sandbox_id)) + \
@@ -105,7 +119,7 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
         while True:
             try:
                 # Children first (runsc may create nested groups); rmdir only works on empty groups.
-                for sub in sorted((p for p in Path(d).rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+                for sub in _nested(d):
                     os.rmdir(sub)
                 os.rmdir(d)
                 break
@@ -128,7 +142,7 @@ def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
     `owner` (and, given `comm`, whose name is `comm`); returns their pids."""
     mark = os.fsencode(owner)
     killed = []
-    for procs in [group / "cgroup.procs", *group.rglob("*/cgroup.procs")]:
+    for procs in [group / "cgroup.procs"] + [Path(sub) / "cgroup.procs" for sub in _nested(str(group))]:
         try:
             pids = [int(x) for x in procs.read_text().split()]
         except (OSError, ValueError):
