@@ -125,7 +125,9 @@ while outcome is None:
         continue
     except OSError as e:
         outcome = type(e).__name__
-open(result, "w").write(outcome)
+with open(result + ".tmp", "w") as f:  # whole or not at all: the test reads it once it exists
+    f.write(outcome)
+os.rename(result + ".tmp", result)
 '''
 
 
