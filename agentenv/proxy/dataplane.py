@@ -132,16 +132,11 @@ async def stop_leftover_gateways(settings: Settings) -> list[str]:
             continue  # that gateway runs
         try:
             lay = _gateway_layout(lock.with_suffix(""))
-            if settings.haproxy_external:
-                release_sock_dir(lay, ours=lay.app_socket, theirs=lay.admin_socket)
-                continue
-            dp = DataPlane(settings.haproxy_path, lay, OrchestratorRoutes(None), http_bind=None)
-            pid = dp.pid()
+            pid = await _stop_left_at(settings, lay)
             if pid is not None:
-                await dp.stop_leftover()
                 removed.append(f"port {lay.dir.name}: pid {pid}")
-            shutil.rmtree(lay.sock_dir, ignore_errors=True)
-            shutil.rmtree(lay.dir, ignore_errors=True)
+            if not settings.haproxy_external:  # an external HAProxy goes on running from them
+                shutil.rmtree(lay.dir, ignore_errors=True)
         finally:
             _let_go(lock, fd)
     return removed
@@ -260,16 +255,23 @@ async def stop_leftover(settings: Settings) -> list[str]:
     """`agentenv gc`: stop a HAProxy of this data dir left by a server that was killed (its pid).
     Not with `haproxy_external`: that HAProxy is its own component's, not a leftover; its socket dir
     goes only once nothing answers on its runtime API (the component stopped too)."""
+    pid = await _stop_left_at(settings, layout(settings))
+    return [str(pid)] if pid is not None else []
+
+
+async def _stop_left_at(settings: Settings, lay: HaproxyLayout) -> int | None:
+    """The HAProxy running `lay`'s configuration (its role is not running), stopped, and its socket
+    dir removed; its pid, if there was one. With `haproxy_external` only the role's side of the
+    socket dir goes (the component's HAProxy is not a leftover)."""
     if settings.haproxy_external:
-        lay = layout(settings)  # the server is not running: its side of the dir is done
         release_sock_dir(lay, ours=lay.app_socket, theirs=lay.admin_socket)
-        return []
-    dp = DataPlane(settings.haproxy_path, layout(settings), OrchestratorRoutes(None), http_bind=None)
+        return None
+    dp = DataPlane(settings.haproxy_path, lay, OrchestratorRoutes(None), http_bind=None)
     pid = dp.pid()
     if pid is not None:
         await dp.stop_leftover()
-    shutil.rmtree(dp.layout.sock_dir, ignore_errors=True)
-    return [str(pid)] if pid is not None else []
+    shutil.rmtree(lay.sock_dir, ignore_errors=True)
+    return pid
 
 
 class CertificateWatch:
