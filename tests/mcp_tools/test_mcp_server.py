@@ -113,7 +113,8 @@ async def test_stdio_commands_binary_files_fork_and_snapshot(server):
             assert missing.is_error and "does not exist" in missing.content[0].text
 
             bg = await call(session, "run_command", sandbox_id=sid, background=True,
-                            command="n=0; while true; do n=$((n+1)); echo $n > /tmp/counter; sleep 0.2; done")
+                            command="n=0; while true; do n=$((n+1)); echo $n > /tmp/counter.new; "
+                                    "mv /tmp/counter.new /tmp/counter; sleep 0.2; done")
             assert bg["exitCode"] is None and bg["pid"] > 0
             await call(session, "write_file", sandbox_id=sid, path="state.txt", content="before fork")
 
