@@ -39,11 +39,51 @@ def wait_pool(url: str, size: int, limit: float = 180.0) -> float:
     return time.monotonic() - t0
 
 
-def restart(bench, pool_size: int) -> None:
+def restart(bench, pool_size: int, env: dict[str, str] | None = None) -> None:
     bench.srv.stop()
-    bench.srv.start(env={"AGENTENV_POOL_SIZE": str(pool_size)})
+    bench.srv.start(env={"AGENTENV_POOL_SIZE": str(pool_size), **(env or {})})
     if pool_size:
         wait_pool(bench.srv.url, pool_size, 300)
+
+
+def _pooled_ids(bench) -> list[str]:
+    """The pool's sandboxes: sandbox dirs of the server that no sandbox record lists."""
+    from e2b import Sandbox
+
+    listed = {s.sandbox_id for s in Sandbox.list(api_key=bench.srv.key, api_url=bench.srv.url).next_items()}
+    d = bench.srv.data_dir / "sandboxes"
+    return sorted(p.name for p in d.iterdir() if p.name not in listed) if d.exists() else []
+
+
+def idle_pool_cpu(bench, log, stats, seconds: float, reps: int) -> dict:
+    """Host CPU of the pool's ready sandboxes while they wait, in ms a second (their cgroups): frozen
+    (`pool_freeze`, the default) and left running (`AGENTENV_POOL_FREEZE=false`), one after the other;
+    then `reps` creates + first command from each kind."""
+    from agentenv.observability.sampler import cgroup_usage
+
+    out = {}
+    for kind, freeze in (("frozen", "true"), ("running", "false")):
+        restart(bench, POOL_SIZE, {"AGENTENV_POOL_FREEZE": freeze})
+        time.sleep(2.0)  # past the restores' tails
+        ids = _pooled_ids(bench)
+        u0 = {sid: cgroup_usage(sid) for sid in ids}
+        time.sleep(seconds)
+        u1 = {sid: cgroup_usage(sid) for sid in ids}
+        vals = [(u1[i][0] - u0[i][0]) / 1e6 / seconds for i in ids if u0.get(i) and u1.get(i)]
+        firsts = []
+        for _ in range(reps):  # creates that take one of them: thawing is on their path
+            wait_pool(bench.srv.url, POOL_SIZE)
+            time.sleep(1.0)  # frozen again (a refill freezes its sandbox when it is ready)
+            t0 = time.monotonic()
+            sbx = bench.create()
+            sbx.commands.run("true")
+            firsts.append(time.monotonic() - t0)
+            sbx.kill()
+        out[kind] = {"cpu_ms_per_s": stats(vals), "create_first_cmd": stats(firsts)}
+        log(f"pool: {len(vals)} ready sandboxes {kind} while they wait: {out[kind]['cpu_ms_per_s']['p50'] or 0:.1f} ms/s; "
+            f"create + first command from them p50 {(out[kind]['create_first_cmd']['p50'] or 0) * 1000:.0f} ms")
+    out["seconds"] = seconds
+    return out
 
 
 def bench_pool(bench, log, stats) -> None:
@@ -68,7 +108,9 @@ def bench_pool(bench, log, stats) -> None:
         from_pool = metric(url, "agentenv_sandbox_pool_taken") - taken0
         bench.results["pool"] = {"size": POOL_SIZE, "ours": stats(total), "ours_create_call": stats(create),
                                  "ours_first_cmd": stats(first), "from_pool": from_pool,
-                                 "refill_wait": stats(refill)}
+                                 "refill_wait": stats(refill),
+                                 "idle": idle_pool_cpu(bench, log, stats, 5.0 if bench.quick else 10.0,
+                                                      5 if bench.quick else 15)}
     finally:
         restart(bench, 0)
 
@@ -162,6 +204,17 @@ def report(res: dict, ms) -> list[str]:
             st = p[k]
             L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
         L.append("")
+        idle = p.get("idle")
+        if idle:
+            L += [f"The pool's ready sandboxes while they wait, host CPU over {idle['seconds']:.0f} s (their cgroups):", "",
+                  "| ready sandboxes | n | CPU p50 | CPU max | create + first command from them: n | p50 | p95 |",
+                  "|---|---|---|---|---|---|---|"]
+            for label, k in [("frozen in the cgroup freezer (`pool_freeze`, default)", "frozen"),
+                             ("left running (`AGENTENV_POOL_FREEZE=false`)", "running")]:
+                st, c = idle[k]["cpu_ms_per_s"], idle[k]["create_first_cmd"]
+                L.append(f"| {label} | {st['n']} | {st['p50']:.1f} ms/s | {st['max']:.1f} ms/s | {c['n']} | "
+                         f"{ms(c['p50'])} | {ms(c['p95'])} |")
+            L.append("")
     lc = res.get("lifecycle")
     if lc:
         L += [f"### Lifecycle throughput (create → `commands.run('true')` → kill, {lc['seconds']} s per run, "

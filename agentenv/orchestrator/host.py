@@ -10,6 +10,7 @@ template builds) brings sandboxes up, captures and tears them down through this 
               (`traits.captures_running`), `checkpoint_running` + `seal_copy` instead: frozen for the
               memory image and a copy of the upper, then thawed: the sandbox keeps running
 - teardown  = close host-side connections → runtime stop → slot release → rootfs release
+- park      = an idle sandbox frozen whole in the host's cgroup freezer (`park`/`unpark`: the pool's)
 - drain     = `quiesce` (the proxy's connections) and the in-sandbox reset before a checkpoint
 
 It knows nothing of sandbox states, teams or quotas: those are the orchestrator's (`lifecycle`,
@@ -38,6 +39,7 @@ from agentenv.network.policy import EgressPolicy, parse_policy
 from agentenv.network.slots import NetSlot
 from agentenv.orchestrator import envd_client
 from agentenv.orchestrator.trace import span, timed
+from agentenv.runtimes import cgroups
 from agentenv.runtimes import select as runtime_select
 from agentenv.runtimes.base import Runtime, SandboxSpec
 from agentenv.storage.artifacts import ArtifactCache
@@ -436,6 +438,16 @@ class SandboxHost:
         _, task = self._background.get(sandbox_id, ("", None))
         if task is not None:
             await asyncio.gather(asyncio.shield(task), return_exceptions=True)
+
+    def park(self, sandbox_id: str) -> bool:
+        """Freeze a running sandbox whole, runtime included, in the host's cgroup freezer (a pooled
+        sandbox while it waits): it takes no CPU until `unpark`, and keeps its memory, slot and
+        processes. False if its runtime's processes have no freezer (then it runs as before). A
+        parked sandbox's stop and teardown thaw it first (`cgroups.kill_sandbox`)."""
+        return cgroups.freeze(sandbox_id, True)
+
+    def unpark(self, sandbox_id: str) -> None:
+        cgroups.freeze(sandbox_id, False)
 
     async def teardown(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Release everything a sandbox holds; each step idempotent and independent of the others.

@@ -128,6 +128,7 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
             except OSError as e:  # EBUSY while the last sandbox processes exit
                 if owner and not killed and time.monotonic() - t0 > KILL_AFTER_S:
                     killed = True
+                    freeze(sandbox_id, False)
                     n = len(kill_members(Path(d), owner))
                     if n:
                         log.warning("sandbox %s: %d process(es) outlived it in %s; killed", sandbox_id, n, d)
@@ -135,6 +136,31 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
                 if time.monotonic() > deadline:
                     raise RuntimeFailure(f"cannot remove cgroup {d}: {e}") from e
                 await asyncio.sleep(0.05)
+
+
+def freeze(sandbox_id: str, frozen: bool = True) -> bool:
+    """Freeze (or thaw) every process of the sandbox in the host's cgroup freezer: v1's
+    `freezer/agentenv/<id>/freezer.state`, v2's `agentenv/<id>/cgroup.freeze`. A frozen sandbox
+    takes no CPU at all; its memory, network slot and connections stay as they are. Returns whether
+    a freezer took it (False: the sandbox has no group with a freezer, e.g. a VM's CPU-only v1
+    group; or none is writable). Idempotent; a plain write, cheap enough for the event loop.
+
+    What it is for: an idle gVisor sandbox is not idle on the host. runsc 20240729's systrap platform
+    wakes a Go timer every 400 µs whatever the sandbox does (its fast-path monitor; gVisor issue
+    #13361, parked when idle only since gVisor PR #13470 of 2026-06), measured at 25-47 ms of CPU a
+    second per sandbox here. A pooled sandbox waits frozen (`SandboxPool`)."""
+    for path, value in ((CGROUP_FS / "freezer" / CGROUP_PARENT / sandbox_id / "freezer.state",
+                         "FROZEN" if frozen else "THAWED"),
+                        (CGROUP_FS / CGROUP_PARENT / sandbox_id / "cgroup.freeze", "1" if frozen else "0")):
+        try:
+            path.write_text(value)
+            return True
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            log.warning("could not %s sandbox %s (%s): %s", "freeze" if frozen else "thaw", sandbox_id, path, e)
+            return False
+    return False
 
 
 def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
@@ -162,7 +188,10 @@ def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
 
 def kill_sandbox(sandbox_id: str, owner: str, comm: str) -> list[int]:
     """SIGKILL the sandbox's processes named `comm` whose command line contains `owner`, found in its
-    group of the first controller that has one; returns their pids."""
+    group of the first controller that has one; returns their pids. The group is thawed first: a
+    process frozen by cgroup v1's freezer (a pooled sandbox, `freeze`) does not die of a SIGKILL
+    until it is thawed."""
+    freeze(sandbox_id, False)
     for d in _groups(sandbox_id):
         if os.path.exists(os.path.join(d, "cgroup.procs")):
             return kill_members(Path(d), owner, comm)

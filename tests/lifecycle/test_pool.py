@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 import requests
@@ -111,17 +112,79 @@ def test_a_burst_empties_the_pool_and_creates_go_on_the_ordinary_way(pool_server
             sbx.kill()
 
 
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def _frozen(sid: str) -> bool | None:
+    """Whether the sandbox's processes are frozen in the host's cgroup freezer (None: no freezer)."""
+    v1, v2 = CGROUP / "freezer" / "agentenv" / sid / "freezer.state", CGROUP / "agentenv" / sid / "cgroup.freeze"
+    if v1.exists():
+        return v1.read_text().strip() == "FROZEN"
+    if v2.exists():
+        return v2.read_text().strip() == "1" and "frozen 1" in (v2.parent / "cgroup.events").read_text()
+    return None
+
+
+def _cpu_ns(sid: str) -> int:
+    v1, v2 = CGROUP / "cpuacct" / "agentenv" / sid / "cpuacct.usage", CGROUP / "agentenv" / sid / "cpu.stat"
+    if v1.exists():
+        return int(v1.read_text())
+    return int(re.search(r"^usage_usec (\d+)$", v2.read_text(), re.M).group(1)) * 1000
+
+
+def _pooled(srv) -> list[str]:
+    running = {s.sandbox_id for s in Sandbox.list(**srv.sdk_opts()).next_items()}
+    return [c for c in runsc_containers(srv.data_dir) if c not in running]
+
+
+def test_pooled_sandboxes_wait_frozen_and_take_no_cpu(pool_server):
+    """An idle gVisor sandbox costs tens of ms of CPU a second (runsc 20240729's systrap): a pooled
+    one waits frozen in the host's cgroup freezer, and the create that takes it thaws it."""
+    srv = pool_server
+    _wait(lambda: _ready(srv) >= SIZE, "a full pool")
+    pooled = _pooled(srv)
+    assert len(pooled) >= SIZE, pooled
+    if _frozen(pooled[0]) is None:
+        pytest.skip("no cgroup freezer for the sandboxes on this host (neither v1 freezer nor v2 cgroup.freeze)")
+    _wait(lambda: all(_frozen(sid) for sid in pooled), "the pooled sandboxes to be frozen", 10)
+    before = {sid: _cpu_ns(sid) for sid in pooled}
+    time.sleep(3)
+    after = {sid: _cpu_ns(sid) for sid in pooled}
+    assert after == before, f"pooled sandboxes used CPU while they waited: {before} -> {after}"
+    taken = _taken(srv)
+    sbx = Sandbox.create(envs={"K": "thawed"}, timeout=120, **srv.sdk_opts())
+    try:
+        srv.known_ids.add(sbx.sandbox_id)
+        assert _taken(srv) == taken + 1 and sbx.sandbox_id in pooled
+        assert _frozen(sbx.sandbox_id) is False
+        assert sbx.commands.run("echo $K").stdout == "thawed\n"
+        t0 = _cpu_ns(sbx.sandbox_id)
+        time.sleep(1)
+        assert _cpu_ns(sbx.sandbox_id) > t0  # a running sandbox's runtime runs (and costs) again
+    finally:
+        sbx.kill()
+
+
+def _thaw(sid: str) -> None:
+    for path, value in ((CGROUP / "freezer" / "agentenv" / sid / "freezer.state", "THAWED"),
+                        (CGROUP / "agentenv" / sid / "cgroup.freeze", "0")):
+        if path.exists():
+            path.write_text(value)
+            return
+
+
 def test_a_pooled_sandbox_that_died_is_replaced_by_an_ordinary_start(pool_server):
-    """Pooled sandboxes killed behind the server's back: the create that takes one still answers
-    with a working sandbox (started the ordinary way, same id), and nothing of the dead one is left."""
+    """Pooled sandboxes killed behind the server's back (thawed first: a frozen Sentry cannot answer
+    `runsc kill`): the create that takes one still answers with a working sandbox (started the
+    ordinary way, same id), and nothing of the dead one is left."""
     srv = pool_server
     opts = srv.sdk_opts()
     _wait(lambda: _ready(srv) >= SIZE, "a full pool")
-    running = {s.sandbox_id for s in Sandbox.list(**opts).next_items()}
-    pooled = [c for c in runsc_containers(srv.data_dir) if c not in running]
+    pooled = _pooled(srv)
     assert len(pooled) >= SIZE, pooled
     runsc = shutil.which("runsc")
     for sid in pooled:
+        _thaw(sid)
         subprocess.run([runsc, f"--root={runsc_root(srv.data_dir)}", "kill", sid, "KILL"], check=True, timeout=60)
     _wait(lambda: all(not _alive(srv, sid) for sid in pooled), "the pooled sandboxes to die", 30)
     taken = _taken(srv)
