@@ -49,6 +49,12 @@ class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def server_bind(self) -> None:
+        # HTTPServer's own looks its address up in DNS (socket.getfqdn): the test host's namespace has
+        # no resolver, and each of the six binds waited ~10 s for the lookup to time out.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = self.server_address[:2]
+
 
 def main() -> None:
     cert, key, *addrs = sys.argv[1:]
