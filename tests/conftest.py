@@ -40,6 +40,13 @@ DEFAULT_DATA_DIR = "/var/tmp/agentenv-test"
 # environment) unless a test asks for one (tests/lifecycle/test_pool.py): pooled sandboxes would be
 # restored in the background while other tests measure or count containers.
 os.environ.setdefault("AGENTENV_POOL_SIZE", "0")
+# The Python SDK opens at most E2B_MAX_CONNECTIONS (default 200) HTTP/1 connections per address, and
+# a request past them waits for one. The cluster load test runs 500 cycles at once through one
+# gateway, and the creates the scheduler parks (admission long-poll, up to admission_wait_s) held
+# all 200: the created sandboxes' commands and kills queued behind them, sandboxes lived ~5x longer,
+# every node sat at capacity and idle Sentries took the CPU (500 cycles: 467 s at 1.07/s, node peaks
+# 16/16/16; with 1000 connections 216 s at 2.31/s, peaks 4/4/4). Read when e2b is first imported.
+os.environ.setdefault("E2B_MAX_CONNECTIONS", "1000")
 MAX_UPLOAD_BYTES = 200 * 1024 * 1024
 LOG_NAME = "test-server.log"
 
