@@ -128,7 +128,6 @@ async def remove(sandbox_id: str, owner: str | None = None, wait_s: float = 5.0)
             except OSError as e:  # EBUSY while the last sandbox processes exit
                 if owner and not killed and time.monotonic() - t0 > KILL_AFTER_S:
                     killed = True
-                    freeze(sandbox_id, False)
                     n = len(kill_members(Path(d), owner))
                     if n:
                         log.warning("sandbox %s: %d process(es) outlived it in %s; killed", sandbox_id, n, d)
@@ -165,7 +164,10 @@ def freeze(sandbox_id: str, frozen: bool = True) -> bool:
 
 def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
     """SIGKILL every process in `group` (and the groups nested in it) whose command line contains
-    `owner` (and, given `comm`, whose name is `comm`); returns their pids."""
+    `owner` (and, given `comm`, whose name is `comm`); returns their pids. `group` is a sandbox's
+    group (`/agentenv/<sandbox id>` of some controller): the sandbox is thawed first, since a process
+    frozen by cgroup v1's freezer (`freeze`) does not die of a SIGKILL until it is thawed."""
+    freeze(group.name, False)
     mark = os.fsencode(owner)
     killed = []
     for procs in [group / "cgroup.procs"] + [Path(sub) / "cgroup.procs" for sub in _nested(str(group))]:
@@ -190,8 +192,7 @@ def kill_sandbox(sandbox_id: str, owner: str, comm: str) -> list[int]:
     """SIGKILL the sandbox's processes named `comm` whose command line contains `owner`, found in its
     group of the first controller that has one; returns their pids. The group is thawed first: a
     process frozen by cgroup v1's freezer (a pooled sandbox, `freeze`) does not die of a SIGKILL
-    until it is thawed."""
-    freeze(sandbox_id, False)
+    until it is thawed (`kill_members` does)."""
     for d in _groups(sandbox_id):
         if os.path.exists(os.path.join(d, "cgroup.procs")):
             return kill_members(Path(d), owner, comm)
