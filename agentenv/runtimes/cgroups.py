@@ -162,6 +162,50 @@ def freeze(sandbox_id: str, frozen: bool = True) -> bool:
     return False
 
 
+def set_timer_slack(sandbox_id: str, slack_ns: int) -> int:
+    """Give every thread of the sandbox (all its processes: Sentry, gofer, stubs) a timer slack of
+    `slack_ns` (`/proc/<tid>/timerslack_ns`, see prctl(2) PR_SET_TIMERSLACK): the kernel may then
+    fire their timed waits up to that much late and batch the wake-ups. Threads they create later
+    inherit it. Returns how many threads took it (0: no group with a thread list, e.g. no cgroup fs).
+
+    What it is for: runsc 20240729's systrap platform wakes a Go timer every 400 µs however idle the
+    sandbox is (see `freeze`); coarser host timers make those wake-ups fewer. Measured on an idle
+    `runsc do sleep`: 44 ms of CPU a second at the kernel's default 50 µs, 27 at 1 ms, 17 at 5 ms,
+    7 at 20 ms. The price is the sandbox's own timers: a 1 ms `sleep` inside took 1.2 ms at the
+    default, 1.9 ms at 1 ms of slack, 5.9 ms at 5 ms (syscalls, I/O, process spawns and TCP round
+    trips did not change). Timers fire late, never early."""
+    value = str(slack_ns)
+    done: set[int] = set()
+    for _ in range(2):  # a thread made meanwhile by one not yet set inherited the old slack
+        for group in _groups(sandbox_id):
+            lists = [os.path.join(group, name) for name in ("tasks", "cgroup.threads")]
+            try:
+                lists += [os.path.join(sub, os.path.basename(f)) for sub in _nested(group) for f in lists]
+            except OSError:  # the group went meanwhile (the sandbox stopped)
+                continue
+            for path in lists:
+                try:
+                    with open(path) as f:
+                        tids = [int(x) for x in f.read().split()]
+                except (OSError, ValueError):
+                    continue
+                for tid in tids:
+                    if tid in done:
+                        continue
+                    try:
+                        with open(f"/proc/{tid}/timerslack_ns", "w") as f:
+                            f.write(value)
+                        done.add(tid)
+                    except (FileNotFoundError, ProcessLookupError):
+                        pass  # the thread ended meanwhile
+                    except OSError as e:  # an optimisation: never a reason to fail a start
+                        log.warning("could not set the timer slack of sandbox %s's threads: %s", sandbox_id, e)
+                        return len(done)
+            if done:
+                break  # one controller's group lists every thread
+    return len(done)
+
+
 def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:
     """SIGKILL every process in `group` (and the groups nested in it) whose command line contains
     `owner` (and, given `comm`, whose name is `comm`); returns their pids. `group` is a sandbox's

@@ -341,6 +341,13 @@ class GVisorRuntime:
         tmp.write_text(json.dumps(build_oci_spec(spec), indent=2))
         tmp.replace(spec.bundle_dir / "config.json")
 
+    def _tune_host(self, spec: SandboxSpec) -> None:
+        """What the host sets on a sandbox's processes once runsc has started them: the memory
+        headroom of their cgroup, and their timer slack (`sandbox_timer_slack_us`)."""
+        raise_memory_limit(spec)
+        if self.settings.sandbox_timer_slack_us > 0:
+            cgroups.set_timer_slack(spec.sandbox_id, self.settings.sandbox_timer_slack_us * 1000)
+
     # ---------------------------------------------------------------- Runtime protocol
 
     async def start(self, spec: SandboxSpec) -> None:
@@ -354,7 +361,7 @@ class GVisorRuntime:
             await self._runsc("run", "--detach", f"--bundle={spec.bundle_dir}", spec.sandbox_id,
                               timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
                               output_file=spec.bundle_dir / CONSOLE_LOG)
-            await asyncio.to_thread(raise_memory_limit, spec)
+            await asyncio.to_thread(self._tune_host, spec)
         except BaseException:
             await asyncio.shield(self.stop(spec.sandbox_id))
             raise
@@ -367,7 +374,7 @@ class GVisorRuntime:
             await self._runsc("restore", "--detach", f"--image-path={image_dir}", f"--bundle={spec.bundle_dir}",
                               spec.sandbox_id, timeout=RUN_TIMEOUT, netns_path=spec.slot.netns_path,
                               output_file=spec.bundle_dir / CONSOLE_LOG)
-            await asyncio.to_thread(raise_memory_limit, spec)
+            await asyncio.to_thread(self._tune_host, spec)
         except BaseException as e:
             await asyncio.shield(self.stop(spec.sandbox_id))
             ours = self.platform_choice.runsc_version if self.platform_choice else ""
