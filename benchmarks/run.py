@@ -43,6 +43,9 @@ from agentenv.constants import GUEST_MAC  # noqa: E402
 BENCH_DIR = Path(os.environ.get("AGENTENV_BENCH_DATA_DIR", "/var/tmp/agentenv-bench"))
 TEST_IMAGES = Path(os.environ.get("AGENTENV_BENCH_IMAGES_FROM", "/var/tmp/agentenv-test/images"))
 RESULTS = REPO / "benchmarks" / "results"
+# The raw harness's instance tag and network slots (`Raw`): apart from the server's (10.213.0.0/16, untagged).
+RAW_INSTANCE = "raw"
+RAW_SUBNET = "10.222.0.0/16"
 sys.path.insert(0, str(REPO / "benchmarks"))
 from machine import machine_cpu_s  # noqa: E402
 # Steps that need neither the agentenv server nor the raw runsc baseline.
@@ -692,8 +695,11 @@ class Raw:
         from agentenv.storage.rootfs import RootfsManager
 
         self.root = data_dir / "raw"
-        # Raw: runsc's own threads as it starts them (agentenv's timer slack is agentenv's work).
-        self.settings = load_settings(data_dir=self.root, sandbox_timer_slack_us=0)
+        # Raw: runsc's own threads as it starts them (agentenv's timer slack is agentenv's work). Its
+        # own instance tag and slot subnet: its links and netns never collide with the server's (a
+        # collision cost a timed start 8 failed attempts, a rescan and a retry).
+        self.settings = load_settings(data_dir=self.root, sandbox_timer_slack_us=0,
+                                      instance=RAW_INSTANCE, slot_subnet=RAW_SUBNET)
         self.server_timer_slack_us = load_settings().sandbox_timer_slack_us  # the server's (same environment)
         self.net = NetworkManager(self.settings)
         self.rt = GVisorRuntime(self.settings)
@@ -924,8 +930,10 @@ class Raw:
             await self.rt.stop(sid)
 
     async def close(self) -> None:
-        """Every raw container gone, and the reaper stopped."""
+        """Every raw container gone, the instance's host setup (nft table) removed, the reaper stopped."""
         await self.destroy_all()
+        await self.net.close()
+        await self.net.teardown_host()
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
