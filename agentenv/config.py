@@ -113,8 +113,9 @@ class Settings(BaseSettings):
     # sandboxes share the rest. 100 = the kernel's default (one sandbox-sized peer); 0 = leave it alone.
     sandbox_cpu_weight: int = Field(default=5, ge=0, le=10000)
     # Timer slack of a gVisor sandbox's host threads in µs (prctl PR_SET_TIMERSLACK): fewer idle
-    # wake-ups of the Sentry for coarser timers inside the sandbox; 0 = the kernel's default (50 µs).
-    sandbox_timer_slack_us: int = Field(default=1000, ge=0, le=1_000_000)
+    # wake-ups of the Sentry, for coarser timers inside the sandbox and slower request round trips;
+    # 0 = left at the kernel's default (50 µs). For hosts of mostly idle sandboxes.
+    sandbox_timer_slack_us: int = Field(default=0, ge=0, le=1_000_000)
     # Open files per process inside a sandbox (RLIMIT_NOFILE, soft = hard).
     sandbox_nofile: int = Field(default=65536, ge=64, le=1048576)
     # Bandwidth cap per sandbox and direction in Mbit/s (tc tbf in the slot's netns); 0 = none.

@@ -929,6 +929,12 @@ class Raw:
         for sid in await self.rt.list_ids():
             await self.rt.stop(sid)
 
+    async def server_slots(self) -> dict:
+        """The server's sandboxes' network slots (its instance, not this harness's), by sandbox id."""
+        from agentenv.config import load_settings
+        from agentenv.network.manager import NetworkManager
+        return await NetworkManager(load_settings()).discover()
+
     async def close(self) -> None:
         """Every raw container gone, the instance's host setup (nft table) removed, the reaper stopped."""
         await self.destroy_all()
@@ -1334,7 +1340,7 @@ class Bench:
         try:
             sbx.files.write("/tmp/bench_app.py", PROXY_APP)
             sbx.commands.run("setsid nohup python3 /tmp/bench_app.py >/tmp/bench_app.log 2>&1 </dev/null &")
-            slot = self.raw.run(self.raw.net.discover()).get(sbx.sandbox_id)
+            slot = self.raw.run(self.raw.server_slots()).get(sbx.sandbox_id)
             if slot is None:
                 raise RuntimeError(f"no network slot found for {sbx.sandbox_id}")
             upstream = f"{slot.host_ip}:{PROXY_APP_PORT}"

@@ -172,10 +172,11 @@ def set_timer_slack(sandbox_id: str, slack_ns: int) -> int:
     sandbox is (see `freeze`); coarser host timers make those wake-ups fewer. Measured on an idle
     `runsc do sleep`: 44 ms of CPU a second at the kernel's default 50 µs, 27 at 1 ms, 17 at 5 ms,
     7 at 20 ms. The price is the sandbox's own timers: a 1 ms `sleep` inside took 1.2 ms at the
-    default, 1.9 ms at 1 ms of slack, 5.9 ms at 5 ms (syscalls, I/O, process spawns and TCP round
-    trips did not change); `commands.run("true")` took as long at 1 ms as at the default, 5 ms more
-    at 5 ms and 26 ms more at 20 ms (the Sentry's own short waits are timers too). Timers fire late,
-    never early."""
+    default, 1.9 ms at 1 ms of slack, 5.9 ms at 5 ms (syscalls, I/O, process spawns and loopback TCP
+    round trips inside did not change); `commands.run("true")` took as long at 1 ms as at the
+    default, 5 ms more at 5 ms and 26 ms more at 20 ms (the Sentry's own short waits are timers too),
+    and one connection's HTTP round trips into the sandbox ran 13 % slower at 0.5 ms and 35 % at
+    1 ms. Timers fire late, never early. Hence off by default (`sandbox_timer_slack_us`)."""
     value = str(slack_ns)
     done: set[int] = set()
     for _ in range(2):  # a thread made meanwhile by one not yet set inherited the old slack
