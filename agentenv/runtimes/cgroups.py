@@ -196,8 +196,8 @@ def set_timer_slack(sandbox_id: str, slack_ns: int) -> int:
                     if tid in done:
                         continue
                     try:
-                        with open(f"/proc/{tid}/timerslack_ns", "w") as f:
-                            f.write(value)
+                        with open(f"/proc/{tid}/timerslack_ns", "w") as slack:
+                            slack.write(value)
                         done.add(tid)
                     except (FileNotFoundError, ProcessLookupError):
                         pass  # the thread ended meanwhile
