@@ -180,33 +180,41 @@ def set_timer_slack(sandbox_id: str, slack_ns: int) -> int:
     value = str(slack_ns)
     done: set[int] = set()
     for _ in range(2):  # a thread made meanwhile by one not yet set inherited the old slack
-        for group in _groups(sandbox_id):
-            lists = [os.path.join(group, name) for name in ("tasks", "cgroup.threads")]
-            try:
-                lists += [os.path.join(sub, os.path.basename(f)) for sub in _nested(group) for f in lists]
-            except OSError:  # the group went meanwhile (the sandbox stopped)
+        for tid in _thread_ids(sandbox_id):
+            if tid in done:
                 continue
-            for path in lists:
-                try:
-                    with open(path) as f:
-                        tids = [int(x) for x in f.read().split()]
-                except (OSError, ValueError):
-                    continue
-                for tid in tids:
-                    if tid in done:
-                        continue
-                    try:
-                        with open(f"/proc/{tid}/timerslack_ns", "w") as slack:
-                            slack.write(value)
-                        done.add(tid)
-                    except (FileNotFoundError, ProcessLookupError):
-                        pass  # the thread ended meanwhile
-                    except OSError as e:  # an optimisation: never a reason to fail a start
-                        log.warning("could not set the timer slack of sandbox %s's threads: %s", sandbox_id, e)
-                        return len(done)
-            if done:
-                break  # one controller's group lists every thread
+            try:
+                with open(f"/proc/{tid}/timerslack_ns", "w") as slack:
+                    slack.write(value)
+                done.add(tid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # the thread ended meanwhile
+            except OSError as e:  # an optimisation: never a reason to fail a start
+                log.warning("could not set the timer slack of sandbox %s's threads: %s", sandbox_id, e)
+                return len(done)
     return len(done)
+
+
+def _thread_ids(sandbox_id: str) -> list[int]:
+    """Every thread in the sandbox's group and the groups nested in it, from the first controller's
+    group that lists threads (v1 `tasks`, v2 `cgroup.threads`; all controllers hold the same ones)."""
+    for group in _groups(sandbox_id):
+        for name in ("tasks", "cgroup.threads"):
+            if not os.path.exists(os.path.join(group, name)):
+                continue
+            try:
+                dirs = [group, *_nested(group)]
+            except OSError:  # the group went meanwhile (the sandbox stopped)
+                return []
+            tids: list[int] = []
+            for d in dirs:
+                try:
+                    with open(os.path.join(d, name)) as f:
+                        tids += [int(x) for x in f.read().split()]
+                except (OSError, ValueError):
+                    pass
+            return tids
+    return []
 
 
 def kill_members(group: Path, owner: str, comm: str | None = None) -> list[int]:

@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -93,4 +94,30 @@ async def test_stop_kills_only_runsc_helpers_and_reaps_them(tmp_path):
                 p.wait(10)
             except ChildProcessError:
                 pass
+        await cgroups.remove(sid)
+
+
+async def test_timer_slack_reaches_every_thread_of_the_group_and_a_missing_group_is_no_error():
+    """`set_timer_slack` (the gVisor runtime calls it after a start or restore, `sandbox_timer_slack_us`):
+    every thread of every process in the sandbox's group, and nothing, without an error, for a
+    sandbox that has no group (it must never fail a start)."""
+    sid = "itest" + secrets.token_hex(8)
+    assert cgroups.set_timer_slack(sid, 3_000_000) == 0
+    proc = subprocess.Popen(["python3", "-c", "import threading, time; "
+                             "[threading.Thread(target=time.sleep, args=(600,)).start() for _ in range(3)]; "
+                             "time.sleep(600)"], start_new_session=True)
+    try:
+        tasks = Path(f"/proc/{proc.pid}/task")
+        deadline = time.monotonic() + 10
+        while len(list(tasks.iterdir())) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if cgroups.place(sid, proc.pid, 0) is None:
+            pytest.skip("no writable cgroup filesystem here")
+        tids = sorted(int(t.name) for t in tasks.iterdir())
+        assert len(tids) >= 4
+        assert cgroups.set_timer_slack(sid, 3_000_000) == len(tids)
+        assert {int(Path(f"/proc/{t}/timerslack_ns").read_text()) for t in tids} == {3_000_000}
+    finally:
+        proc.kill()
+        proc.wait(10)
         await cgroups.remove(sid)
