@@ -700,7 +700,7 @@ class Raw:
         # collision cost a timed start 8 failed attempts, a rescan and a retry).
         self.settings = load_settings(data_dir=self.root, sandbox_timer_slack_us=0,
                                       instance=RAW_INSTANCE, slot_subnet=RAW_SUBNET)
-        self.server_timer_slack_us = load_settings().sandbox_timer_slack_us  # the server's (same environment)
+        self.server_settings = load_settings()  # the server's (the same environment): its instance, its slack
         self.net = NetworkManager(self.settings)
         self.rt = GVisorRuntime(self.settings)
         self.rootfs = RootfsManager(self.settings.paths)
@@ -931,9 +931,8 @@ class Raw:
 
     async def server_slots(self) -> dict:
         """The server's sandboxes' network slots (its instance, not this harness's), by sandbox id."""
-        from agentenv.config import load_settings
         from agentenv.network.manager import NetworkManager
-        return await NetworkManager(load_settings()).discover()
+        return await NetworkManager(self.server_settings).discover()
 
     async def close(self) -> None:
         """Every raw container gone, the instance's host setup (nft table) removed, the reaper stopped."""
@@ -1483,7 +1482,7 @@ class Bench:
                 log(f"idle: timer slack {slack_us} us: {out[str(slack_us)]['cpu_ms_per_s']['p50']:.1f} ms/s, "
                     f"a 1 ms sleep inside takes {sleep_ms:.2f} ms")
         finally:
-            configured = self.raw.server_timer_slack_us
+            configured = self.raw.server_settings.sandbox_timer_slack_us
             for sbx in ours:
                 set_timer_slack(sbx.sandbox_id, configured * 1000 or 50_000)
         return out
