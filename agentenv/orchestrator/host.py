@@ -410,12 +410,20 @@ class SandboxHost:
             await self.rootfs.unmount(sandbox_id, keep_disk=keep_disk)
         with span("seal.upper", sandbox_id):
             layer = await self.artifacts.seal_upper(self.rootfs.upper_path(sandbox_id))
-        if on_layer is not None:
-            await on_layer(layer)
-        mem = None
-        if image is not None:
-            with span("seal.memory", sandbox_id):
-                mem = await self.artifacts.seal_memory(image)
+        # No record names the layer until the caller takes the result: pinned while the memory image
+        # is sealed, or a GC in between would find it unclaimed once that seal is over.
+        if layer:
+            self.pin_layer(layer)
+        try:
+            if on_layer is not None:
+                await on_layer(layer)
+            mem = None
+            if image is not None:
+                with span("seal.memory", sandbox_id):
+                    mem = await self.artifacts.seal_memory(image)
+        finally:
+            if layer:
+                self.unpin_layer(layer)  # no await until the caller records it (`gc`'s contract)
         return Sealed(layer, mem)
 
     async def capture(self, rec: SandboxRecord, image_dir: Path) -> Sealed:

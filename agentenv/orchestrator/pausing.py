@@ -73,9 +73,12 @@ class PauseResume:
 
     async def _publish_paused(self, rec: SandboxRecord, memory: bool) -> None:
         """Seal the paused sandbox's upper (and checkpoint) into artifacts and upload them."""
-        sealed = await self.host.seal(rec.sandbox_id, self.host.checkpoint_dir(rec.sandbox_id) if memory else None)
-        if sealed.layer:
-            rec.layers = [sealed.layer] + rec.layers
+        async def layer_sealed(layer: str | None) -> None:
+            if layer:  # the upper lives on only as this layer: in the record before the slow part
+                rec.layers = [layer] + rec.layers
+
+        sealed = await self.host.seal(rec.sandbox_id, self.host.checkpoint_dir(rec.sandbox_id) if memory else None,
+                                      on_layer=layer_sealed)
         if sealed.memory is not None:
             rec.memory_digest = sealed.memory
         await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)

@@ -124,3 +124,39 @@ def test_pages_are_swept_once_no_copy_of_a_recipe_is_left(tmp_path):
         assert removed["memory"] == 1 and removed["packs_deleted"] == 1 and cache.pages.stored_bytes() == 0
 
     asyncio.run(go())
+
+
+def test_a_layer_sealed_before_its_memory_image_survives_a_gc_in_between(tmp_path):
+    """`SandboxHost.seal` seals the upper, then the memory image: a collection that takes its in-use
+    sets while the memory image is sealed (no record names the new layer yet) and removes what is
+    unclaimed after that seal returned keeps the layer (the soak of stop 37 lost a paused
+    sandbox's upper this way)."""
+    from agentenv.config import Settings
+    from agentenv.orchestrator.host import SandboxHost
+    from agentenv.runtimes.gvisor import GVisorRuntime
+    from agentenv.storage.rootfs import RootfsManager
+
+    async def go():
+        settings = Settings(data_dir=tmp_path / "data")
+        cache = ArtifactCache(settings.paths.root, LocalSnapshotStore(settings.paths.root / "snapshots"))
+        host = SandboxHost(settings, None, RootfsManager(settings.paths), None, GVisorRuntime(settings), cache)
+        sid = "iseal0gc0race0000000"
+        upper = host.rootfs.upper_path(sid)
+        upper.mkdir(parents=True)
+        (upper / "work.txt").write_bytes(b"the sandbox's only copy")
+        taken: dict[str, object] = {}
+
+        async def gc_in_the_window(layer: str | None) -> None:
+            # a GC starting now takes its sets here: the live records do not name `layer` yet
+            await asyncio.sleep(0.1)  # past the coarse file-clock margin of the use stamps
+            taken["since"], taken["layers"] = time.time(), host.pinned_layers()
+
+        sealed = await host.seal(sid, _image(tmp_path / "img", os.urandom(MB), b"s"), on_layer=gc_in_the_window)
+        # the seal is over (nothing under way): the GC goes on with the sets it took
+        assert await cache.gc(set(taken["layers"]), {sealed.memory}, fresh_since=taken["since"]) == \
+            {"layers": 0, "memory": 0}
+        assert cache.layer_dir(sealed.layer).is_dir() and await cache.local.has_blob("layers", sealed.layer)
+        assert (cache.layer_dir(sealed.layer) / "work.txt").read_bytes() == b"the sandbox's only copy"
+        assert host.pinned_layers() == set()  # the caller names it from here on
+
+    asyncio.run(go())
