@@ -31,6 +31,8 @@ copy is removed (rebuilt on its next use; the page packs are not counted). Use i
 Garbage collection (`gc`): local artifacts no longer referenced are removed, then the page store
 is swept (mark-and-sweep over the remaining recipes). A collection never removes what a seal
 returned after the caller took its in-use sets (`fresh_since`), nor what a seal under way wrote.
+That holds only if the caller names (or pins) what a seal returned before its next `await`: a
+sequence of seals pins the first one's result while the next runs (`SandboxHost.seal`).
 
 `publish` uploads a snapshot's blobs to the configured SnapshotStore and writes its manifest last;
 `ensure_*` pulls what a node lacks from the store on demand, so a node with an empty data dir can
