@@ -292,6 +292,8 @@ class Capture:
         """Make a capture's image the sandbox's pause checkpoint: the sealed memory artifact `mem`
         (it stays in the cache: hard-linked) or else the unsealed image dir (moved)."""
         ckpt = self.host.checkpoint_dir(sandbox_id)
+        if mem is None and image == ckpt:  # a published pause cut short: its image is there already
+            return
         shutil.rmtree(ckpt, ignore_errors=True)
         if mem is not None:  # rebuilt from its pages if its extracted copy was dropped
             await asyncio.to_thread(shutil.copytree, await self.artifacts.ensure_memory(mem), ckpt,
@@ -301,8 +303,8 @@ class Capture:
             os.replace(image, ckpt)
 
     async def recover(self, rec: SandboxRecord) -> bool:
-        """A server killed mid-capture left the source stopped with a complete image (its journal):
-        keep it as a paused sandbox with that image. True if it was recovered. (A capture that leaves
+        """A server killed mid-capture (or mid-publish of a pause) left the source stopped with a
+        complete image (its journal): keep it as a paused sandbox with that image. True if it was recovered. (A capture that leaves
         the source running has no journal: only its scratch copies are removed here.)"""
         host = self.host
         sid = rec.sandbox_id
@@ -330,9 +332,7 @@ class Capture:
         rec.pause_mode, rec.slot = "full", None
         self.lifecycle.mark(rec, SandboxState.PAUSED)
         await host.stop_quietly(sid)  # not adopted yet: the node's default runtime (stop is idempotent)
-        slot = host.network.slot_for(sid)
-        if slot is not None:
-            await host.network.release(slot)
+        await host.release_slot(sid)  # also one the crash left half-released (its netns without its link)
         self._journal_path(sid).unlink(missing_ok=True)
         await self.lifecycle.persist(rec)
         self.lifecycle.adopt(rec)

@@ -18,6 +18,7 @@ from datetime import timedelta
 from agentenv.errors import RuntimeFailure, Unavailable
 from agentenv.models import SandboxRecord, SandboxState, utcnow
 from agentenv.orchestrator.admission import Admission
+from agentenv.orchestrator.capture import Capture
 from agentenv.orchestrator.host import SandboxHost
 from agentenv.orchestrator.lifecycle import Lifecycle, check
 
@@ -25,9 +26,10 @@ log = logging.getLogger("agentenv.orchestrator")
 
 
 class PauseResume:
-    def __init__(self, host: SandboxHost, lifecycle: Lifecycle, admission: Admission, *, publish: bool,
-                 lose: Callable[[SandboxRecord, Exception], Awaitable[Exception]]) -> None:
+    def __init__(self, host: SandboxHost, lifecycle: Lifecycle, admission: Admission, captures: Capture, *,
+                 publish: bool, lose: Callable[[SandboxRecord, Exception], Awaitable[Exception]]) -> None:
         self.host = host
+        self.captures = captures  # its journal: a published pause a crash cut short is recovered paused
         self.lifecycle = lifecycle
         self.admission = admission
         self.artifacts = host.artifacts
@@ -58,29 +60,40 @@ class PauseResume:
             except Exception as e:  # noqa: BLE001
                 raise await self._lose(rec, e) from e
             if publish:
+                if memory:  # stopped with its image: a crash until the pause is stored recovers it paused
+                    self.captures.journal(rec, image=str(ckpt))
                 await host.release_slot(sandbox_id)
                 try:
                     await self._publish_paused(rec, memory)
                 except Exception as e:  # noqa: BLE001
-                    await self._unpause_after_failed_publish(rec, e)
+                    try:
+                        await self._unpause_after_failed_publish(rec, e)
+                    finally:
+                        self.captures.forget_journal(sandbox_id)
             elif memory:
                 host.stand_down_later(sandbox_id, rec.runtime)  # stop, release the slot, unmount
             else:  # independent of each other
                 await asyncio.gather(host.release_slot(sandbox_id), host.rootfs.unmount(sandbox_id))
             rec.pause_mode = "full" if memory else "filesystem"
             await self.lifecycle.settle(rec, final)
+            if publish:  # (a PAUSED record's journal is stale: a restart drops it too)
+                self.captures.forget_journal(sandbox_id)
         log.info("paused sandbox %s (%s)", sandbox_id, rec.pause_mode)
 
     async def _publish_paused(self, rec: SandboxRecord, memory: bool) -> None:
         """Seal the paused sandbox's upper (and checkpoint) into artifacts and upload them."""
+        ckpt = self.host.checkpoint_dir(rec.sandbox_id)
+
         async def layer_sealed(layer: str | None) -> None:
             if layer:  # the upper lives on only as this layer: in the record before the slow part
                 rec.layers = [layer] + rec.layers
+                if memory:
+                    self.captures.journal(rec, image=str(ckpt))
 
-        sealed = await self.host.seal(rec.sandbox_id, self.host.checkpoint_dir(rec.sandbox_id) if memory else None,
-                                      on_layer=layer_sealed)
+        sealed = await self.host.seal(rec.sandbox_id, ckpt if memory else None, on_layer=layer_sealed)
         if sealed.memory is not None:
             rec.memory_digest = sealed.memory
+            self.captures.journal(rec, memory=sealed.memory)  # the image dir is that artifact now
         await self.artifacts.publish_blobs(rec.layers, rec.memory_digest)
 
     async def publish_local(self, sandbox_id: str, on_sealed=None) -> SandboxRecord | None:

@@ -2,11 +2,14 @@
 
 Running sandboxes survive only if their container is alive and their network slot exists; paused
 ones live on disk and stay resumable; a capture the old process was killed in is recovered from
-its journal (`capture.Capture.recover`); anything half-made is removed.
+its journal (`capture.Capture.recover`), and so is a published pause (a cluster node's) that it was
+killed in before the pause was stored: paused from its image, then published; anything half-made is
+removed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING
 
@@ -30,6 +33,7 @@ async def reconcile(orch: "Orchestrator") -> None:
     await host.network.discover()
     orch.captures.drop_kept_images()  # the forks that made them ended with the old process
     listed: set[str] | None = None
+    recovered: list[str] = []  # paused from a journal: to publish, on a node that publishes its pauses
 
     async def running_ids() -> set[str]:
         """The containers/VMs the runtimes still know (asked once, when a paused sandbox needs it)."""
@@ -62,6 +66,7 @@ async def reconcile(orch: "Orchestrator") -> None:
             # its journal: the source was stopped after its image was written; a container
             # restored from that image may have come up half-way: the image is the truth
             keep.add(rec.sandbox_id)
+            recovered.append(rec.sandbox_id)
             continue
         slot = host.network.slot_for(rec.sandbox_id)
         if rec.state in (SandboxState.LOST, SandboxState.RUNNING) and orch.recover_fenced is not None \
@@ -94,6 +99,7 @@ async def reconcile(orch: "Orchestrator") -> None:
             keep.add(rec.sandbox_id)
             log.info("re-adopted running sandbox %s", rec.sandbox_id)
         elif rec.state == SandboxState.PAUSED:
+            orch.captures.forget_journal(rec.sandbox_id)  # stale: written before the pause was stored
             lifecycle.adopt(rec)
             keep.add(rec.sandbox_id)
             await stand_down(rec.sandbox_id, rec.runtime)
@@ -112,3 +118,19 @@ async def reconcile(orch: "Orchestrator") -> None:
     for rec in lifecycle.records():
         if rec.state == SandboxState.PAUSED:
             await host.rootfs.unmount(rec.sandbox_id)
+    if orch.pauses.publish:
+        for sid in recovered:
+            await _publish_recovered(orch, sid)
+
+
+async def _publish_recovered(orch: "Orchestrator", sandbox_id: str) -> None:
+    """A sandbox recovered paused on a node that publishes its pauses: sealed and uploaded, so that any
+    node can resume it. If the snapshot store is out of reach it stays paused on this node only."""
+    try:
+        rec = await asyncio.wait_for(orch.pauses.publish_local(sandbox_id), 120)
+        if rec is not None:
+            await orch.lifecycle.persist(rec)
+            log.info("sandbox %s, recovered paused, is published to the snapshot store", sandbox_id)
+    except Exception as e:  # noqa: BLE001
+        log.error("sandbox %s, recovered paused, could not be published (%s): it is resumable on this node only",
+                  sandbox_id, str(e) or type(e).__name__)

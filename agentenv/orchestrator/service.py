@@ -79,8 +79,9 @@ class Orchestrator:
         self.lifecycle = Lifecycle(store)
         self.admission = Admission(settings, store, self.lifecycle.records)
         self.events = events.LifecycleEvents()
-        self.pauses = PauseResume(self.host, self.lifecycle, self.admission, publish=publish_paused, lose=self._lose)
         self.captures = Capture(self.host, self.lifecycle, lose=self._lose)
+        self.pauses = PauseResume(self.host, self.lifecycle, self.admission, self.captures, publish=publish_paused,
+                                  lose=self._lose)
         self.warm = WarmImages(self.host, self.gc_artifacts)
         self.pool = SandboxPool(settings, self.host, busy=lambda: self.admission.starting > 0 or any(
             r.state in (SandboxState.CREATING, SandboxState.RESUMING) for r in self.lifecycle.records()))

@@ -14,6 +14,9 @@ Faults injected, each against a real `agentenv serve`:
 - the server is killed (-9, its whole process group) mid-fork, while the source is frozen for its
   checkpoint, once the checkpoint is written and once the image is sealed, then restarted on the
   same data dir;
+- the server that publishes its pauses is killed (-9) mid-publish of a pause, once its checkpoint is
+  written and once its upper and image are sealed (the store down, so the upload waits), then
+  restarted with the store back;
 - (not a fault, but what the others rely on) a program that keeps renaming files it holds open:
   the image of a capture must match the disk it is restored on.
 After every fault the sandbox is RUNNING (or PAUSED and resumable, after a crash), the process
@@ -636,6 +639,94 @@ def test_restart_after_runsc_was_killed_saving_the_state(server):
         stop_unchecked(second, first)
         remove_data_dir(d)
 
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("when", ["journaled", "sealed"])
+def test_server_killed_mid_pause_publish_keeps_sandbox(server, when):
+    """kill -9 of a server that publishes its pauses (as a cluster node does) while a pause uploads
+    to the snapshot store (a real S3 server, stopped so that the upload waits on its retries):
+    `journaled` as soon as the checkpoint is written (the sandbox is stopped; the pause's journal
+    names the image), `sealed` once its upper and image are sealed into artifacts. The restarted
+    server (with the store back) finds the sandbox PAUSED, publishes it, and the resume continues
+    the very same worker with its files; no journal is left."""
+    tmp = Path(tempfile.mkdtemp(prefix="agentenv-pausecrash-", dir="/var/tmp"))
+    launcher = tmp / "agentenv-publishing"
+    launcher.write_text(PUBLISHING_AGENTENV.format(python=sys.executable))
+    launcher.chmod(0o755)
+    s3 = start_s3(tmp / "s3root")
+    env = dict(AGENTENV_WARM_START="false", AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET="pausecrash",
+               AGENTENV_S3_PREFIX="agentenv/", AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
+               AGENTENV_S3_SECRET_KEY=s3.secret_key)
+    d = new_data_dir(f"pausecrash-{when}")
+    key = new_api_key()
+    first = second = None
+    old_bin = os.environ.get("AGENTENV_TEST_BIN")
+    os.environ["AGENTENV_TEST_BIN"] = str(launcher)
+    try:
+        first = start_extra_server(d, api_key=key, env=env, log_name="server-1.log")
+        sbx, before = _prepare(first)
+        sid = sbx.sandbox_id
+        journal = d / "sandboxes" / sid / "capture.json"
+        s3.stop()  # the pause's upload now waits on the store client's retries
+        result: dict[str, object] = {}
+
+        def pause() -> None:
+            try:
+                result["response"] = _raw_pause(first, sid)
+            except Exception as e:  # noqa: BLE001 - the server dies under it
+                result["error"] = e
+
+        t = threading.Thread(target=pause, daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        landed = None
+        while time.monotonic() < t0 + 60 and landed is None and t.is_alive():
+            text = _read(journal)
+            if when == "journaled" and text and '"memory"' not in text:
+                landed = "checkpoint written (the pause's journal names the image)"
+            elif when == "sealed" and '"memory"' in text:
+                landed = "upper and image sealed, the upload waiting on the store"
+            else:
+                time.sleep(0.005)
+        _kill_group(first.pid)
+        first.proc.wait(timeout=30)
+        first.stopped = True
+        took = time.monotonic() - t0
+        assert landed, f"the fault did not land ({when}) within {took:.1f}s: {result}\n{first.log_tail(30)}"
+        print(f"killed the server group {took:.2f}s into the pause: {landed}")
+        t.join(timeout=120)
+        s3 = _restart_s3(s3)
+
+        second = start_extra_server(d, api_key=key, env=env, log_name="server-2.log")
+        second.known_ids |= first.known_ids
+        o2 = second.sdk_opts()
+        try:
+            info = Sandbox.get_info(sid, **o2)
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"sandbox {sid} LOST by a server crash mid-pause ({when}): {e!r}\n--- first server ---\n"
+                        f"{first.log_tail(25)}\n--- restarted server ---\n{second.log_tail(40)}")
+        assert info.state == SandboxState.PAUSED, f"{info.state}\n{second.log_tail(30)}"
+        assert not journal.exists(), "the pause's journal outlived the recovery"
+        stored = sorted(p.name for p in (s3.root / "pausecrash" / "agentenv" / "memory").glob("*"))
+        assert stored, f"the recovered pause was not published\n{second.log_tail(30)}"
+        again = Sandbox.connect(sid, timeout=TIMEOUT_S, **o2)
+        _assert_intact(second, again, before, f"resumed after a server crash mid-pause ({when})")
+        _kill(second, sid)
+        problems = second.stop()
+        second = None
+        assert not problems, problems
+    finally:
+        if old_bin is None:
+            os.environ.pop("AGENTENV_TEST_BIN", None)
+        else:
+            os.environ["AGENTENV_TEST_BIN"] = old_bin
+        stop_unchecked(second, first)
+        if first is not None:
+            _kill_group(first.pid)
+        s3.stop()
+        remove_data_dir(d)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.timeout(300)
