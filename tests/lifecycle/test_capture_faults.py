@@ -491,6 +491,34 @@ def _runsc_status(data_dir: Path, sid: str) -> str | None:
     return json.loads(res.stdout).get("status")
 
 
+def _kill_server_when(srv: ExtraServer, call, landed, what: str) -> None:
+    """Run `call` in a thread and kill -9 the server's process group as soon as `landed()` names
+    the moment (polled, up to 60 s); fail if it never did."""
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["ok"] = call()
+        except Exception as e:  # noqa: BLE001 - the server dies under it
+            result["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    moment = None
+    while time.monotonic() < t0 + 60 and moment is None and t.is_alive():
+        moment = landed()
+        if moment is None:
+            time.sleep(0.005)
+    _kill_group(srv.pid)
+    srv.proc.wait(timeout=30)
+    srv.stopped = True
+    took = time.monotonic() - t0
+    assert moment, f"the fault did not land ({what}) within {took:.1f}s: {result}\n{srv.log_tail(30)}"
+    print(f"killed the server group {took:.2f}s into the {what}: {moment}")
+    t.join(timeout=120)
+
+
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize("when", ["frozen", "journaled", "sealed", "frozen-running", "checkpointing-running",
                                   "sealing-running"])
@@ -523,46 +551,28 @@ def test_server_killed_mid_fork_keeps_source(server, when):
         def kept_images() -> list[Path]:  # a fork's image for its children, outside the source's dir
             return list((d / "fork-images").glob(f"{sid}-*"))
 
-        result: dict[str, object] = {}
-
-        def fork() -> None:
-            try:
-                result["ok"] = sbx.fork(count=4, timeout=600, request_timeout=300)
-            except Exception as e:  # noqa: BLE001 - the server dies under it
-                result["error"] = e
-
-        t = threading.Thread(target=fork, daemon=True)
-        t0 = time.monotonic()
-        t.start()
-        landed = None
-        while time.monotonic() < t0 + 60 and landed is None and t.is_alive():
+        def landed() -> str | None:
             if when == "frozen" and _runsc_status(d, sid) == "paused":
-                landed = "source frozen for its checkpoint"
-            elif when == "journaled" and (sdir / "capture.json").exists():
-                landed = "checkpoint written (capture journal present)"
-            elif when == "sealed" and '"memory"' in _read(sdir / "capture.json"):
-                landed = "image sealed, source being restored (journal names the memory image)"
-            elif when == "frozen-running" and _runsc_status(d, sid) == "paused":
-                landed = "source frozen for its image"
-            elif when == "checkpointing-running" and (_runsc_running(sid, "checkpoint") or (
+                return "source frozen for its checkpoint"
+            if when == "journaled" and (sdir / "capture.json").exists():
+                return "checkpoint written (capture journal present)"
+            if when == "sealed" and '"memory"' in _read(sdir / "capture.json"):
+                return "image sealed, source being restored (journal names the memory image)"
+            if when == "frozen-running" and _runsc_status(d, sid) == "paused":
+                return "source frozen for its image"
+            if when == "checkpointing-running" and (_runsc_running(sid, "checkpoint") or (
                     _image_written(sdir / "capture") and not (sdir / "capture-upper").exists()
                     and _runsc_status(d, sid) == "paused")):
-                landed = "the checkpoint of the source (leaving it running) under way"
-            elif when == "sealing-running" \
+                return "the checkpoint of the source (leaving it running) under way"
+            if when == "sealing-running" \
                     and any(_image_written(p) for p in [sdir / "capture", *kept_images()]) \
                     and not (sdir / "capture-upper").exists() and not _runsc_running(sid, "checkpoint") \
                     and _runsc_status(d, sid) == "running":
-                landed = "source thawed, its capture being sealed or its children restored from its image"
-            else:
-                time.sleep(0.005)
+                return "source thawed, its capture being sealed or its children restored from its image"
+            return None
+
         pgid = first.pid
-        _kill_group(pgid)
-        first.proc.wait(timeout=30)
-        first.stopped = True
-        took = time.monotonic() - t0
-        assert landed, f"the fault did not land ({when}) within {took:.1f}s: {result}\n{first.log_tail(30)}"
-        print(f"killed the server group {took:.2f}s into the fork: {landed}")
-        t.join(timeout=120)
+        _kill_server_when(first, lambda: sbx.fork(count=4, timeout=600, request_timeout=300), landed, f"fork ({when})")
         # what a kill between a write and its rename leaves (the journal's, the capture base's): the
         # kill above lands there only by chance, so both are planted as such a kill leaves them
         for half in ("capture.tmp", "capture-base.tmp"):
@@ -669,33 +679,16 @@ def test_server_killed_mid_pause_publish_keeps_sandbox(server, when):
         sid = sbx.sandbox_id
         journal = d / "sandboxes" / sid / "capture.json"
         s3.stop()  # the pause's upload now waits on the store client's retries
-        result: dict[str, object] = {}
 
-        def pause() -> None:
-            try:
-                result["response"] = _raw_pause(first, sid)
-            except Exception as e:  # noqa: BLE001 - the server dies under it
-                result["error"] = e
-
-        t = threading.Thread(target=pause, daemon=True)
-        t0 = time.monotonic()
-        t.start()
-        landed = None
-        while time.monotonic() < t0 + 60 and landed is None and t.is_alive():
+        def landed() -> str | None:
             text = _read(journal)
             if when == "journaled" and text and '"memory"' not in text:
-                landed = "checkpoint written (the pause's journal names the image)"
-            elif when == "sealed" and '"memory"' in text:
-                landed = "upper and image sealed, the upload waiting on the store"
-            else:
-                time.sleep(0.005)
-        _kill_group(first.pid)
-        first.proc.wait(timeout=30)
-        first.stopped = True
-        took = time.monotonic() - t0
-        assert landed, f"the fault did not land ({when}) within {took:.1f}s: {result}\n{first.log_tail(30)}"
-        print(f"killed the server group {took:.2f}s into the pause: {landed}")
-        t.join(timeout=120)
+                return "checkpoint written (the pause's journal names the image)"
+            if when == "sealed" and '"memory"' in text:
+                return "upper and image sealed, the upload waiting on the store"
+            return None
+
+        _kill_server_when(first, lambda: _raw_pause(first, sid), landed, f"pause ({when})")
         s3 = _restart_s3(s3)
 
         second = start_extra_server(d, api_key=key, env=env, log_name="server-2.log")
