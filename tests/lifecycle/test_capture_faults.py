@@ -210,7 +210,17 @@ def _assert_intact(srv: ExtraServer, sbx: Sandbox, before: WorkerState, where: s
     info = Sandbox.get_info(sbx.sandbox_id, **srv.sdk_opts())
     assert info.state == state, f"{where}: sandbox is {info.state}, expected {state}\n{srv.log_tail(30)}"
     if state == SandboxState.RUNNING:
-        assert_same_worker(ask_worker(sbx), before, where)
+        try:
+            got = ask_worker(sbx)
+        except Exception as e:  # noqa: BLE001 - say what the sandbox and the server saw
+            try:
+                seen = sbx.commands.run(f"tail -5 {WORK}/worker.log; cat {WORK}/state.json; ls -la --time-style=+%T.%N "
+                                        f"{WORK}; python3 {WORK}/find_worker.py; date +%T.%N").stdout
+            except Exception as e2:  # noqa: BLE001
+                seen = repr(e2)
+            pytest.fail(f"{where}: the worker did not answer ({e!r})\n--- in the sandbox ---\n{seen}\n"
+                        f"--- server ---\n{srv.log_tail(40)}")
+        assert_same_worker(got, before, where)
         assert sbx.files.read(f"{WORK}/before.txt") == MARKER, f"{where}: file written before is gone"
 
 
