@@ -304,8 +304,9 @@ class Capture:
 
     async def recover(self, rec: SandboxRecord) -> bool:
         """A server killed mid-capture (or mid-publish of a pause) left the source stopped with a
-        complete image (its journal): keep it as a paused sandbox with that image. True if it was recovered. (A capture that leaves
-        the source running has no journal: only its scratch copies are removed here.)"""
+        complete image (its journal): keep it as a paused sandbox with that image. True if it was
+        recovered. (A capture that leaves the source running has no journal: only its scratch copies
+        are removed here.)"""
         host = self.host
         sid = rec.sandbox_id
         for scratch in ("capture-upper", "capture.reset"):
