@@ -107,6 +107,34 @@ sys.exit(main())
 '''
 
 
+def _publishing_launcher(tmp: Path) -> Path:
+    """The `agentenv` launcher with publish_paused on (PUBLISHING_AGENTENV), written under `tmp`."""
+    launcher = tmp / "agentenv-publishing"
+    launcher.write_text(PUBLISHING_AGENTENV.format(python=sys.executable))
+    launcher.chmod(0o755)
+    return launcher
+
+
+def _s3_env(s3: S3Server, bucket: str) -> dict[str, str]:
+    """A server's settings for `s3` as its snapshot store (no warm image: each test boots its own)."""
+    return dict(AGENTENV_WARM_START="false", AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET=bucket,
+                AGENTENV_S3_PREFIX="agentenv/", AGENTENV_S3_ENDPOINT=s3.endpoint,
+                AGENTENV_S3_ACCESS_KEY=s3.access_key, AGENTENV_S3_SECRET_KEY=s3.secret_key)
+
+
+def _start_publishing(launcher: Path, data_dir: Path, **kw) -> ExtraServer:
+    """`start_extra_server` through `launcher` (the test binary swapped for the start only)."""
+    old_bin = os.environ.get("AGENTENV_TEST_BIN")
+    os.environ["AGENTENV_TEST_BIN"] = str(launcher)
+    try:
+        return start_extra_server(data_dir, **kw)
+    finally:
+        if old_bin is None:
+            os.environ.pop("AGENTENV_TEST_BIN", None)
+        else:
+            os.environ["AGENTENV_TEST_BIN"] = old_bin
+
+
 def _restart_s3(s3: S3Server) -> S3Server:
     """rclone again on the same address, keys and root (the store comes back)."""
     hostport = s3.endpoint.removeprefix("http://")
@@ -153,29 +181,16 @@ def faulty(server) -> Iterator[Faulty]:
     wrapper = tmp / "runsc"
     wrapper.write_text(WRAPPER_SH.format(faults=faults, real=real))
     wrapper.chmod(0o755)
-    launcher = tmp / "agentenv-publishing"
-    launcher.write_text(PUBLISHING_AGENTENV.format(python=sys.executable))
-    launcher.chmod(0o755)
+    launcher = _publishing_launcher(tmp)
     s3 = start_s3(tmp / "s3root")
     # Its checkpoints go through runsc's command (where the wrapper injects the faults), not the
     # control socket (`runsc_checkpoint_via`; that path's refusals: tests/runtime, test_e2e_tmp_dir).
-    env = dict(AGENTENV_RUNSC_PATH=str(wrapper), AGENTENV_RUNSC_CHECKPOINT_VIA="runsc", AGENTENV_WARM_START="false",
-               AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET="faults", AGENTENV_S3_PREFIX="agentenv/",
-               AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
-               AGENTENV_S3_SECRET_KEY=s3.secret_key)
+    env = dict(_s3_env(s3, "faults"), AGENTENV_RUNSC_PATH=str(wrapper), AGENTENV_RUNSC_CHECKPOINT_VIA="runsc")
     d = new_data_dir("faults")
     srv = None
     holder = Faulty(None, faults, s3)  # type: ignore[arg-type]
-    old_bin = os.environ.get("AGENTENV_TEST_BIN")
     try:
-        os.environ["AGENTENV_TEST_BIN"] = str(launcher)
-        try:
-            srv = start_extra_server(d, env=env)
-        finally:
-            if old_bin is None:
-                os.environ.pop("AGENTENV_TEST_BIN", None)
-            else:
-                os.environ["AGENTENV_TEST_BIN"] = old_bin
+        srv = _start_publishing(launcher, d, env=env)
         holder.srv = srv
         yield holder
         holder.clear()
@@ -671,20 +686,14 @@ def test_server_killed_mid_pause_publish_keeps_sandbox(server, when):
     server (with the store back) finds the sandbox PAUSED, publishes it, and the resume continues
     the very same worker with its files; no journal is left."""
     tmp = Path(tempfile.mkdtemp(prefix="agentenv-pausecrash-", dir="/var/tmp"))
-    launcher = tmp / "agentenv-publishing"
-    launcher.write_text(PUBLISHING_AGENTENV.format(python=sys.executable))
-    launcher.chmod(0o755)
+    launcher = _publishing_launcher(tmp)
     s3 = start_s3(tmp / "s3root")
-    env = dict(AGENTENV_WARM_START="false", AGENTENV_SNAPSHOT_STORE="s3", AGENTENV_S3_BUCKET="pausecrash",
-               AGENTENV_S3_PREFIX="agentenv/", AGENTENV_S3_ENDPOINT=s3.endpoint, AGENTENV_S3_ACCESS_KEY=s3.access_key,
-               AGENTENV_S3_SECRET_KEY=s3.secret_key)
+    env = _s3_env(s3, "pausecrash")
     d = new_data_dir(f"pausecrash-{when}")
     key = new_api_key()
     first = second = None
-    old_bin = os.environ.get("AGENTENV_TEST_BIN")
-    os.environ["AGENTENV_TEST_BIN"] = str(launcher)
     try:
-        first = start_extra_server(d, api_key=key, env=env, log_name="server-1.log")
+        first = _start_publishing(launcher, d, api_key=key, env=env, log_name="server-1.log")
         sbx, before = _prepare(first)
         sid = sbx.sandbox_id
         journal = d / "sandboxes" / sid / "capture.json"
@@ -701,7 +710,7 @@ def test_server_killed_mid_pause_publish_keeps_sandbox(server, when):
         _kill_server_when(first, lambda: _raw_pause(first, sid), landed, f"pause ({when})")
         s3 = _restart_s3(s3)
 
-        second = start_extra_server(d, api_key=key, env=env, log_name="server-2.log")
+        second = _start_publishing(launcher, d, api_key=key, env=env, log_name="server-2.log")
         second.known_ids |= first.known_ids
         o2 = second.sdk_opts()
         try:
@@ -720,10 +729,6 @@ def test_server_killed_mid_pause_publish_keeps_sandbox(server, when):
         second = None
         assert not problems, problems
     finally:
-        if old_bin is None:
-            os.environ.pop("AGENTENV_TEST_BIN", None)
-        else:
-            os.environ["AGENTENV_TEST_BIN"] = old_bin
         stop_unchecked(second, first)
         if first is not None:
             _kill_group(first.pid)
