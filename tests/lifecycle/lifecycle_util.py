@@ -102,8 +102,10 @@ def setup_worker(sbx: Sandbox, mib: int, *, wait_counter: int = 5) -> WorkerStat
     sbx.files.write(f"{WORK}/worker.py", WORKER_PY)
     sbx.files.write(f"{WORK}/ask.py", ASK_PY)
     sbx.files.write(f"{WORK}/find_worker.py", FIND_WORKER_PY)
+    # timeout=0: a command's timeout (60 s by default) bounds the process itself, as in E2B's envd,
+    # and the worker must outlive every test that uses it, however slow the machine.
     handle = sbx.commands.run(f"python3 {WORK}/worker.py {WORK} {mib} > {WORK}/worker.log 2>&1",
-                              background=True)
+                              background=True, timeout=0)
     # Drop the stream: nothing may hold a connection into the sandbox at capture time (the server
     # closes its own anyway).
     handle.disconnect()

@@ -427,7 +427,7 @@ def test_capture_image_matches_the_disk_while_files_churn(faulty):
     sbx, before = _prepare(srv)
     try:
         sbx.files.write("/home/user/churn.py", CHURN_PY)
-        sbx.commands.run("python3 /home/user/churn.py >/dev/null 2>&1", background=True).disconnect()
+        sbx.commands.run("python3 /home/user/churn.py >/dev/null 2>&1", background=True, timeout=0).disconnect()
         time.sleep(0.5)
         for i in range(4):
             try:

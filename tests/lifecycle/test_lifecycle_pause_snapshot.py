@@ -35,7 +35,7 @@ def test_pause_resume_keeps_process_memory_files_and_listener(server, tracker):
     sbx = tracker.create()
     sbx.files.write(f"{WORK}/www/hello.txt", "hello through the traffic listener\n")
     sbx.files.write(f"{WORK}/data.bin", b"\x00\x01\x02" * 100_000)
-    http = sbx.commands.run(f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}", background=True)
+    http = sbx.commands.run(f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}", background=True, timeout=0)
     http_pid = http.pid
     http.disconnect()
     st = setup_worker(sbx, 32)
@@ -79,7 +79,7 @@ def test_pause_right_after_traffic_to_a_user_server(server, tracker):
     """
     sbx = tracker.create()
     sbx.files.write(f"{WORK}/www/hello.txt", "hello through the traffic listener\n")
-    http = sbx.commands.run(f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}", background=True)
+    http = sbx.commands.run(f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}", background=True, timeout=0)
     http.disconnect()
     r = wait_http(server, sbx.sandbox_id)
     assert r.status_code == 200, (r.status_code, r.text)

@@ -78,7 +78,7 @@ def start_counter(sbx: Sandbox) -> int:
     sbx.files.write(f"{D}/counter.py", COUNTER_PY)
     sbx.files.write(f"{D}/ask.py", ASK_PY)
     sbx.commands.run(f"mkdir -p {D}/files")
-    sbx.commands.run(f"python3 {D}/counter.py {D} > {D}/counter.log 2>&1", background=True).disconnect()
+    sbx.commands.run(f"python3 {D}/counter.py {D} > {D}/counter.log 2>&1", background=True, timeout=0).disconnect()
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -105,7 +105,7 @@ def test_checkpoints_store_pages_once_and_gc_reclaims(pages_server):
     sbx = Sandbox.create(timeout=600, **opts)
     srv.known_ids.add(sbx.sandbox_id)
     sbx.files.write(f"{D}/holder.py", HOLDER_PY)
-    sbx.commands.run(f"python3 {D}/holder.py {D} > {D}/holder.log 2>&1", background=True).disconnect()
+    sbx.commands.run(f"python3 {D}/holder.py {D} > {D}/holder.log 2>&1", background=True, timeout=0).disconnect()
     deadline = time.monotonic() + 60
     while True:
         try:
