@@ -97,18 +97,24 @@ class WorkerState:
     hash: str | None = None
 
 
+def start_detached(sbx: Sandbox, cmd: str) -> int:
+    """Start `cmd` in the background for as long as the test needs it; its pid.
+
+    timeout=0: a command's timeout (60 s by default) bounds the process itself, as in E2B's envd,
+    and these processes must outlive the test however slow the machine. The stream is dropped:
+    nothing may hold a connection into the sandbox at capture time (the server closes its own anyway).
+    """
+    handle = sbx.commands.run(cmd, background=True, timeout=0)
+    handle.disconnect()
+    return handle.pid
+
+
 def setup_worker(sbx: Sandbox, mib: int, *, wait_counter: int = 5) -> WorkerState:
     """Write the scripts + a marker file, start the worker in the background, wait until it ticks."""
     sbx.files.write(f"{WORK}/worker.py", WORKER_PY)
     sbx.files.write(f"{WORK}/ask.py", ASK_PY)
     sbx.files.write(f"{WORK}/find_worker.py", FIND_WORKER_PY)
-    # timeout=0: a command's timeout (60 s by default) bounds the process itself, as in E2B's envd,
-    # and the worker must outlive every test that uses it, however slow the machine.
-    handle = sbx.commands.run(f"python3 {WORK}/worker.py {WORK} {mib} > {WORK}/worker.log 2>&1",
-                              background=True, timeout=0)
-    # Drop the stream: nothing may hold a connection into the sandbox at capture time (the server
-    # closes its own anyway).
-    handle.disconnect()
+    start_detached(sbx, f"python3 {WORK}/worker.py {WORK} {mib} > {WORK}/worker.log 2>&1")
     deadline = time.monotonic() + 120
     while True:
         st = read_state(sbx)

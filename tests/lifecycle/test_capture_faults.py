@@ -46,7 +46,7 @@ import requests
 from agentenv.orchestrator.livecapture import CAPTURE_BASE
 from e2b import Sandbox, SandboxState
 
-from lifecycle_util import WORK, WorkerState, ask_worker, assert_same_worker, setup_worker
+from lifecycle_util import WORK, WorkerState, ask_worker, assert_same_worker, setup_worker, start_detached
 from s3server import S3Server, rclone_binary, start_s3
 from serverproc import ExtraServer, new_api_key, new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
@@ -427,7 +427,7 @@ def test_capture_image_matches_the_disk_while_files_churn(faulty):
     sbx, before = _prepare(srv)
     try:
         sbx.files.write("/home/user/churn.py", CHURN_PY)
-        sbx.commands.run("python3 /home/user/churn.py >/dev/null 2>&1", background=True, timeout=0).disconnect()
+        start_detached(sbx, "python3 /home/user/churn.py >/dev/null 2>&1")
         time.sleep(0.5)
         for i in range(4):
             try:

@@ -32,6 +32,8 @@ from e2b import Sandbox, SandboxState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "network_policy"))
 from netpolicy_util import running_test_hosts  # noqa: E402
 
+from lifecycle_util import start_detached
+
 WORK = "/home/user/cap"
 ASYNC_PORT, NODE_PORT, HTTP10_PORT = 8001, 8002, 8003
 
@@ -225,15 +227,13 @@ def start_workloads(sbx: Sandbox, server, outside: str) -> dict:
     sbx.files.write(f"{WORK}/www/hello.txt", "hello\n")
     for cmd in (f"exec python3 {WORK}/async_server.py", f"exec node {WORK}/node_server.js",
                 f"cd {WORK}/www && exec python3 -m http.server {HTTP10_PORT}"):
-        sbx.commands.run(cmd, background=True, timeout=0).disconnect()  # no 60 s lifetime
+        start_detached(sbx, cmd)
     before = {"async": get_json(server, sbx.sandbox_id, ASYNC_PORT), "node": get_json(server, sbx.sandbox_id, NODE_PORT)}
     # TIME_WAIT inside the sandbox: HTTP/1.0 http.server closes the connection first.
     assert get_hello(server, sbx.sandbox_id) == "hello\n"
     # Held connections: loopback inside the sandbox, outbound to the test host, inbound WebSocket.
-    sbx.commands.run(f"exec python3 {WORK}/holder.py 127.0.0.1 {ASYNC_PORT} {WORK}/loopback 1",
-                     background=True, timeout=0).disconnect()
-    sbx.commands.run(f"exec python3 {WORK}/holder.py {outside} 80 {WORK}/outbound 0", background=True,
-                     timeout=0).disconnect()
+    start_detached(sbx, f"exec python3 {WORK}/holder.py 127.0.0.1 {ASYNC_PORT} {WORK}/loopback 1")
+    start_detached(sbx, f"exec python3 {WORK}/holder.py {outside} 80 {WORK}/outbound 0")
     for name in ("loopback", "outbound"):
         wait_file(sbx, f"{WORK}/{name}.held")
     ws = WebSocketThroughProxy(server, sbx.sandbox_id)

@@ -11,7 +11,7 @@ from e2b import Sandbox, SandboxQuery, SandboxState
 from e2b.exceptions import NotFoundException, SandboxException, ServiceBusyException
 
 from lifecycle_util import (WORK, ask_worker, assert_same_worker, kill_quietly, read_state, setup_worker,
-                            worker_processes)
+                            start_detached, worker_processes)
 
 HTTP_PORT = 8080
 
@@ -35,9 +35,7 @@ def test_pause_resume_keeps_process_memory_files_and_listener(server, tracker):
     sbx = tracker.create()
     sbx.files.write(f"{WORK}/www/hello.txt", "hello through the traffic listener\n")
     sbx.files.write(f"{WORK}/data.bin", b"\x00\x01\x02" * 100_000)
-    http = sbx.commands.run(f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}", background=True, timeout=0)
-    http_pid = http.pid
-    http.disconnect()
+    http_pid = start_detached(sbx, f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}")
     st = setup_worker(sbx, 32)
     # No request to the listener before the pause: http.server (HTTP/1.0) closes each connection
     # itself, leaving a TIME_WAIT endpoint in the sandbox for 60 s, which gVisor cannot checkpoint
@@ -79,8 +77,7 @@ def test_pause_right_after_traffic_to_a_user_server(server, tracker):
     """
     sbx = tracker.create()
     sbx.files.write(f"{WORK}/www/hello.txt", "hello through the traffic listener\n")
-    http = sbx.commands.run(f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}", background=True, timeout=0)
-    http.disconnect()
+    start_detached(sbx, f"cd {WORK}/www && exec python3 -m http.server {HTTP_PORT}")
     r = wait_http(server, sbx.sandbox_id)
     assert r.status_code == 200, (r.status_code, r.text)
     t0 = time.monotonic()

@@ -20,7 +20,7 @@ from e2b import Sandbox
 
 from agentenv.client.api import ApiError
 from agentenv.client.timetravel import AsyncTimeTravel, TimeTravel
-from lifecycle_util import kill_quietly
+from lifecycle_util import kill_quietly, start_detached
 from serverproc import agentenv_executable
 
 D = "/home/user/tt"
@@ -78,7 +78,7 @@ def start_counter(sbx: Sandbox) -> int:
     sbx.files.write(f"{D}/counter.py", COUNTER_PY)
     sbx.files.write(f"{D}/ask.py", ASK_PY)
     sbx.commands.run(f"mkdir -p {D}/files")
-    sbx.commands.run(f"python3 {D}/counter.py {D} > {D}/counter.log 2>&1", background=True, timeout=0).disconnect()
+    start_detached(sbx, f"python3 {D}/counter.py {D} > {D}/counter.log 2>&1")
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -19,6 +19,7 @@ import pytest
 from e2b import Sandbox
 
 from agentenv.client.timetravel import TimeTravel
+from lifecycle_util import start_detached
 from serverproc import new_data_dir, remove_data_dir, start_extra_server, stop_unchecked
 
 D = "/home/user/pg"
@@ -105,7 +106,7 @@ def test_checkpoints_store_pages_once_and_gc_reclaims(pages_server):
     sbx = Sandbox.create(timeout=600, **opts)
     srv.known_ids.add(sbx.sandbox_id)
     sbx.files.write(f"{D}/holder.py", HOLDER_PY)
-    sbx.commands.run(f"python3 {D}/holder.py {D} > {D}/holder.log 2>&1", background=True, timeout=0).disconnect()
+    start_detached(sbx, f"python3 {D}/holder.py {D} > {D}/holder.log 2>&1")
     deadline = time.monotonic() + 60
     while True:
         try:
