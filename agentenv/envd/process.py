@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from agentenv.envd import connect, userspawn
+from agentenv.envd.lifetime import Deadline, Lifetimes
 from agentenv.envd.connect import ConnectError, b64decode, b64encode, field as pfield
 from agentenv.envd.state import EnvdState, get_state, process_env, rpc_user
 from agentenv.envd.users import User, resolve_path
@@ -163,6 +164,7 @@ class ProcessManager:
     def __init__(self) -> None:
         self.procs: dict[int, ManagedProcess] = {}
         self.spawning = 0  # while > 0 the orphan reaper must not touch anything
+        self.lifetimes = Lifetimes()  # the kill timers of commands with a timeout (run time only)
 
     def managed_pids(self) -> set[int]:
         return set(self.procs)
@@ -271,13 +273,14 @@ class ProcessManager:
         self.procs[mp.pid] = mp
         queue = mp.subscribe()  # before attaching: the starter sees all output
         protocol.attach(mp.publish)
-        loop.create_task(self._supervise(mp, lifetime))
+        # armed here, not in the task: the deadline counts from the spawn
+        timer = self.lifetimes.start(lifetime, mp.kill_group, f"pid {mp.pid}") if lifetime else None
+        loop.create_task(self._supervise(mp, timer))
         log.info("started pid %d as %s: %s %s", mp.pid, user.name, cmd, args)
         return mp, queue
 
-    async def _supervise(self, mp: ManagedProcess, lifetime: float | None) -> None:
+    async def _supervise(self, mp: ManagedProcess, timer: Deadline | None) -> None:
         loop = asyncio.get_running_loop()
-        timer = loop.call_later(lifetime, mp.kill_group) if lifetime else None
         pty_reader = loop.create_task(self._read_pty(mp)) if mp.pty_master is not None else None
         proto = mp.protocol
         try:
@@ -295,8 +298,7 @@ class ProcessManager:
             finally:
                 eof.cancel()
         finally:
-            if timer:
-                timer.cancel()
+            self.lifetimes.cancel(timer)
             if pty_reader is not None:
                 pty_reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

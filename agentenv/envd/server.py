@@ -105,6 +105,15 @@ async def init(request: web.Request) -> web.Response:
         return web.json_response({"code": 400, "message": "invalid JSON body"}, status=400)
     if not isinstance(body, dict):
         return web.json_response({"code": 400, "message": "body must be a JSON object"}, status=400)
+    # agentenv's own field: how long the sandbox was away before this restore (`envd/lifetime.py`)
+    away_ms = body.get("agentenvAwayMs")
+    if away_ms is not None and (isinstance(away_ms, bool) or not isinstance(away_ms, (int, float)) or away_ms < 0):
+        return web.json_response({"code": 400, "message": "agentenvAwayMs must be a number of milliseconds >= 0"},
+                                 status=400)
+    if away_ms:  # process timeouts count the time the sandbox ran, not the time it was away
+        request.app[process.MANAGER_KEY].lifetimes.shift(away_ms / 1000)
+    if set(body) == {"agentenvAwayMs"}:  # the host telling only that (`tell_time_away`): not an init
+        return web.Response(status=204)
     if "accessToken" in body:
         state.access_token = body["accessToken"] or None
     if "envVars" in body:

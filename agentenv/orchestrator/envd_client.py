@@ -61,13 +61,14 @@ async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) ->
 
 async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, str], host_token: str,
                default_user: str, default_workdir: str, current_token: str | None = None,
-               timeout: float = 10.0) -> None:
+               away_s: float | None = None, timeout: float = 10.0) -> None:
     """POST /init: hands envd its access token, global env vars and default user.
 
     A restored envd (fork child, snapshot) still holds the token of its checkpoint: `current_token`
-    proves the right to replace it; the host token (given to envd at boot) does the same.
+    proves the right to replace it; the host token (given to envd at boot) does the same. `away_s`:
+    how long a restored sandbox was away (`agentenv.orchestrator.timeaway`).
     """
-    body = {
+    body: dict[str, object] = {
         "accessToken": access_token,
         "envVars": env_vars,
         "defaultUser": default_user,
@@ -75,9 +76,20 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
         # the guest steps its clock to it (a restored microVM's clock lags by its time on disk)
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
     }
+    if away_s:
+        body["agentenvAwayMs"] = round(away_s * 1000)
     headers = {HOST_TOKEN_HEADER: host_token}
     if current_token:
         headers["X-Access-Token"] = current_token
+    await _post_init(host_ip, body, headers, timeout)
+
+
+async def tell_time_away(host_ip: str, *, host_token: str, away_s: float, timeout: float = 10.0) -> None:
+    """POST /init with only how long a restored sandbox was away (its process deadlines move back)."""
+    await _post_init(host_ip, {"agentenvAwayMs": round(away_s * 1000)}, {HOST_TOKEN_HEADER: host_token}, timeout)
+
+
+async def _post_init(host_ip: str, body: dict[str, object], headers: dict[str, str], timeout: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         async with http.post(f"http://{host_ip}:{ENVD_PORT}/init", json=body, headers=headers) as resp:
             if resp.status >= 300:

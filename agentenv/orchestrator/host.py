@@ -24,6 +24,7 @@ import logging
 import os
 import secrets
 import shutil
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from agentenv.errors import AgentEnvError, CaptureRefused, RuntimeFailure, Unava
 from agentenv.models import SandboxRecord
 from agentenv.network.policy import EgressPolicy, parse_policy
 from agentenv.network.slots import NetSlot
-from agentenv.orchestrator import envd_client
+from agentenv.orchestrator import envd_client, timeaway
 from agentenv.orchestrator.trace import span, timed
 from agentenv.runtimes import cgroups
 from agentenv.runtimes import select as runtime_select
@@ -94,6 +95,7 @@ class SandboxHost:
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
         self._pinned_layers: dict[str, int] = {}  # layers of captures not committed yet
         self._rules: dict[str, EgressPolicy] = {}   # slots whose egress rules `launch` installs
+        self.away = timeaway.TimeAway()  # restored sandboxes' time away, for envd's process timeouts
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
         # Teardowns and stand-downs in flight, by sandbox: they finish even when their caller is
@@ -280,6 +282,8 @@ class SandboxHost:
             else:
                 with span("runtime.restore", rec.sandbox_id):
                     await rt.restore(spec, restore_from)
+                if rt.traits.restore_advances_clock:
+                    self.away.restored(rec.sandbox_id, restore_from)
 
         async def rules(policy: EgressPolicy) -> None:
             with span("network.rules", rec.sandbox_id):
@@ -300,11 +304,20 @@ class SandboxHost:
                                            timeout=rt.traits.envd_timeout_s)
 
     async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None) -> None:
-        """`/init`: this sandbox's access token, environment and default user (a restore: re-init)."""
+        """`/init`: this sandbox's access token, environment and default user (a restore: re-init, and
+        how long it was away: `timeaway`)."""
         with span("envd.init", rec.sandbox_id):
             await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
                                    host_token=self.host_token, current_token=restore_token,
-                                   default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME)
+                                   default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME,
+                                   away_s=self.away.take(rec.sandbox_id))
+
+    async def tell_time_away(self, sandbox_id: str, slot: NetSlot) -> None:
+        """Tell a restored envd how long it was away now, ahead of its `/init` (a pooled sandbox's
+        commands would otherwise reach their timeouts while it waits to be taken)."""
+        away = self.away.take(sandbox_id)
+        if away is not None:
+            await envd_client.tell_time_away(slot.host_ip, host_token=self.host_token, away_s=away)
 
     async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                        slot: NetSlot | None = None, new_boot: bool = False) -> None:
@@ -364,6 +377,7 @@ class SandboxHost:
         if rt.traits.resets_connections:  # gVisor >= 20240729 (VMs save TCP state with the guest kernel)
             with span("envd.connections", sid):
                 kwargs["reset_connections"] = await self.holds_connections(sid)
+        began = time.time()
         try:
             with span("runtime.checkpoint", sid):
                 await rt.checkpoint(sid, image_dir, **kwargs)
@@ -375,9 +389,12 @@ class SandboxHost:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise
-        self.record_boot_id(sid, image_dir)
+        self.record_image(sid, image_dir, began)
 
-    def record_boot_id(self, sid: str, image_dir: Path) -> None:
+    def record_image(self, sid: str, image_dir: Path, captured_at: float) -> None:
+        """What a memory image continues besides its memory: the sandbox's boot and the time it was
+        captured (`timeaway`)."""
+        timeaway.stamp(image_dir, captured_at)
         boot_id = self.sandbox_dir(sid) / BOOT_ID_FILE
         try:  # the boot this image continues (`write_boot_id`); without it a restore is a new boot_id
             if boot_id.is_file():
@@ -452,10 +469,14 @@ class SandboxHost:
         sandbox while it waits): it takes no CPU until `unpark`, and keeps its memory, slot and
         processes. False if its runtime's processes have no freezer (then it runs as before). A
         parked sandbox's stop and teardown thaw it first (`cgroups.kill_sandbox`)."""
-        return cgroups.freeze(sandbox_id, True)
+        parked = cgroups.freeze(sandbox_id, True)
+        if parked and self.runtime_for(sandbox_id).traits.restore_advances_clock:
+            self.away.parked(sandbox_id)  # its clock runs on while it is frozen
+        return parked
 
     def unpark(self, sandbox_id: str) -> None:
         cgroups.freeze(sandbox_id, False)
+        self.away.unparked(sandbox_id)
 
     async def teardown(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Release everything a sandbox holds; each step idempotent and independent of the others.
@@ -505,6 +526,7 @@ class SandboxHost:
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
+        self.away.forget(sandbox_id)
         # independent of each other
         await asyncio.gather(self.release_slot(sandbox_id, stopped=stopped), self._unmount_quietly(sandbox_id))
         # The sandbox dir goes last: while it exists, `agentenv gc` after a crash knows the sandbox

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class LiveCapture:
                 copy, gone = upperdiff.changes(upper, upperdiff.load(baseline["index"]), got.index)
                 await upperdiff.write_delta(upper, upper_copy, copy, gone)
 
+        began = time.time()
         try:
             with span("runtime.checkpoint_running", sid):
                 got.frozen_s = await rt.checkpoint_running(sid, image_dir, while_frozen=copy_upper, **kwargs)
@@ -104,7 +106,7 @@ class LiveCapture:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise
-        self.host.record_boot_id(sid, image_dir)
+        self.host.record_image(sid, image_dir, began)
         if kwargs.get("reset_connections"):
             log.info("capture of %s reset its TCP connections first (one extra checkpoint while it ran)", sid)
         return got

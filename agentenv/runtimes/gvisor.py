@@ -222,7 +222,7 @@ class GVisorRuntime:
     @property
     def traits(self) -> RuntimeTraits:
         return RuntimeTraits(resets_connections=self.modern, may_stay_frozen=True, captures_running=self.modern,
-                             shares_rootfs=True)
+                             shares_rootfs=True, restore_advances_clock=True)
 
     async def close(self) -> None:
         """Nothing held across sandboxes (each runsc call is its own process)."""

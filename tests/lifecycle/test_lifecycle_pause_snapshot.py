@@ -140,3 +140,31 @@ def test_snapshot_full_and_filesystem_modes(server, tracker):
     assert not ({full.snapshot_id, fs.snapshot_id} & listed)
     with pytest.raises((NotFoundException, SandboxException)):
         tracker.create(full.snapshot_id)
+
+
+@pytest.mark.timeout(300)
+def test_a_command_timeout_counts_the_time_its_sandbox_ran_not_the_pause(server, tracker):
+    """As on E2B, whose paused guest's clock stands still: a command with a timeout that lives across a
+    pause keeps the rest of its timeout. (gVisor moves a restored sandbox's clock on by its time on
+    disk; the host tells envd how long that was: agentenv/orchestrator/timeaway.py.)"""
+    timeout_s, paused_s = 15, 20
+    sbx = tracker.create()
+    handle = sbx.commands.run("sleep 600", background=True, timeout=timeout_s)
+    handle.disconnect()
+    started = time.monotonic()
+    assert sbx.pause() is True
+    ran = time.monotonic() - started  # at most this much of its timeout is spent
+    time.sleep(paused_s)  # longer than its whole timeout
+    resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
+    back = time.monotonic()
+
+    def running() -> bool:
+        return handle.pid in [p.pid for p in resumed.commands.list()]
+
+    assert running(), "the command was killed by its timeout while its sandbox was paused"
+    while running():
+        assert time.monotonic() - back < timeout_s + 30, "the command outlived its timeout after the resume"
+        time.sleep(0.5)
+    # killed once it had run its timeout: the rest of it (at least timeout_s - ran) after the resume
+    after = time.monotonic() - back
+    assert after > timeout_s - ran - 2, f"killed {after:.1f}s after the resume, it had run at most {ran:.1f}s"
