@@ -145,26 +145,43 @@ def test_snapshot_full_and_filesystem_modes(server, tracker):
 @pytest.mark.timeout(300)
 def test_a_command_timeout_counts_the_time_its_sandbox_ran_not_the_pause(server, tracker):
     """As on E2B, whose paused guest's clock stands still: a command with a timeout that lives across a
-    pause keeps the rest of its timeout. (gVisor moves a restored sandbox's clock on by its time on
-    disk; the host tells envd how long that was: agentenv/orchestrator/timeaway.py.)"""
-    timeout_s, paused_s = 15, 20
+    pause, or in a snapshot restored later, keeps the rest of its timeout. (gVisor moves a restored
+    sandbox's clock on by its time on disk; the host tells envd how long that was:
+    agentenv/orchestrator/timeaway.py.) The pause stops the sandbox for its capture, the snapshot
+    captures it running: both ways of stamping an image are covered."""
+    timeout_s, away_s = 15, 20
     sbx = tracker.create()
     handle = sbx.commands.run("sleep 600", background=True, timeout=timeout_s)
     handle.disconnect()
     started = time.monotonic()
     assert sbx.pause() is True
     ran = time.monotonic() - started  # at most this much of its timeout is spent
-    time.sleep(paused_s)  # longer than its whole timeout
+    time.sleep(away_s)  # longer than its whole timeout
     resumed = Sandbox.connect(sbx.sandbox_id, timeout=600)
     back = time.monotonic()
 
-    def running() -> bool:
-        return handle.pid in [p.pid for p in resumed.commands.list()]
+    def running(s: Sandbox) -> bool:
+        return handle.pid in [p.pid for p in s.commands.list()]
 
-    assert running(), "the command was killed by its timeout while its sandbox was paused"
-    while running():
-        assert time.monotonic() - back < timeout_s + 30, "the command outlived its timeout after the resume"
-        time.sleep(0.5)
+    def killed_after(s: Sandbox, since: float) -> float:
+        while running(s):
+            assert time.monotonic() - since < timeout_s + 30, "the command outlived its timeout"
+            time.sleep(0.5)
+        return time.monotonic() - since
+
+    assert running(resumed), "the command was killed by its timeout while its sandbox was paused"
+    snap = resumed.create_snapshot()
+    in_snapshot = time.monotonic() - back + ran  # at most this much of its timeout is spent in the snapshot
     # killed once it had run its timeout: the rest of it (at least timeout_s - ran) after the resume
-    after = time.monotonic() - back
+    after = killed_after(resumed, back)
     assert after > timeout_s - ran - 2, f"killed {after:.1f}s after the resume, it had run at most {ran:.1f}s"
+
+    time.sleep(max(0.0, away_s - (time.monotonic() - back)))  # the snapshot's image is older than the timeout
+    child = tracker.create(snap.snapshot_id)
+    born = time.monotonic()
+    assert running(child), "the command in the snapshot was killed by its timeout while the snapshot was stored"
+    after = killed_after(child, born)
+    assert after > timeout_s - in_snapshot - 2, \
+        f"killed {after:.1f}s after the sandbox from the snapshot started, it had run at most {in_snapshot:.1f}s"
+    kill_quietly(child)
+    assert Sandbox.delete_snapshot(snap.snapshot_id) is True
