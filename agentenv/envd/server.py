@@ -112,8 +112,6 @@ async def init(request: web.Request) -> web.Response:
                                  status=400)
     if away_ms:  # process timeouts count the time the sandbox ran, not the time it was away
         request.app[process.MANAGER_KEY].lifetimes.shift(away_ms / 1000)
-    if set(body) == {"agentenvAwayMs"}:  # the host telling only that (`tell_time_away`): not an init
-        return web.Response(status=204)
     if "accessToken" in body:
         state.access_token = body["accessToken"] or None
     if "envVars" in body:

@@ -81,15 +81,6 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
     headers = {HOST_TOKEN_HEADER: host_token}
     if current_token:
         headers["X-Access-Token"] = current_token
-    await _post_init(host_ip, body, headers, timeout)
-
-
-async def tell_time_away(host_ip: str, *, host_token: str, away_s: float, timeout: float = 10.0) -> None:
-    """POST /init with only how long a restored sandbox was away (its process deadlines move back)."""
-    await _post_init(host_ip, {"agentenvAwayMs": round(away_s * 1000)}, {HOST_TOKEN_HEADER: host_token}, timeout)
-
-
-async def _post_init(host_ip: str, body: dict[str, object], headers: dict[str, str], timeout: float) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
         async with http.post(f"http://{host_ip}:{ENVD_PORT}/init", json=body, headers=headers) as resp:
             if resp.status >= 300:

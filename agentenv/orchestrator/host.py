@@ -312,13 +312,6 @@ class SandboxHost:
                                    default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME,
                                    away_s=self.away.take(rec.sandbox_id))
 
-    async def tell_time_away(self, sandbox_id: str, slot: NetSlot) -> None:
-        """Tell a restored envd how long it was away now, ahead of its `/init` (a pooled sandbox's
-        commands would otherwise reach their timeouts while it waits to be taken)."""
-        away = self.away.take(sandbox_id)
-        if away is not None:
-            await envd_client.tell_time_away(slot.host_ip, host_token=self.host_token, away_s=away)
-
     async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                        slot: NetSlot | None = None, new_boot: bool = False) -> None:
         """Mount the rootfs, take a network slot, start or restore, wait for envd, (re)init it."""
@@ -469,14 +462,10 @@ class SandboxHost:
         sandbox while it waits): it takes no CPU until `unpark`, and keeps its memory, slot and
         processes. False if its runtime's processes have no freezer (then it runs as before). A
         parked sandbox's stop and teardown thaw it first (`cgroups.kill_sandbox`)."""
-        parked = cgroups.freeze(sandbox_id, True)
-        if parked and self.runtime_for(sandbox_id).traits.restore_advances_clock:
-            self.away.parked(sandbox_id)  # its clock runs on while it is frozen
-        return parked
+        return cgroups.freeze(sandbox_id, True)
 
     def unpark(self, sandbox_id: str) -> None:
         cgroups.freeze(sandbox_id, False)
-        self.away.unparked(sandbox_id)
 
     async def teardown(self, sandbox_id: str, recorded_runtime: str | None = None) -> None:
         """Release everything a sandbox holds; each step idempotent and independent of the others.

@@ -233,7 +233,6 @@ class SandboxPool:
                 await self.host.launch(rec, rootfs, slot, tools, restore_from=mem, new_boot=True)
             finally:
                 self.host.unpin(src.memory)
-            await self.host.tell_time_away(sid, slot)
             await self._first_process(slot.host_ip, src)
             ok = True
         except asyncio.CancelledError:

@@ -1,13 +1,15 @@
 """How long a restored sandbox was away, so that its commands' timeouts count only the time it ran.
 
 Under gVisor a restored sandbox's monotonic clock has moved on by the wall time since its capture
-(`RuntimeTraits.restore_advances_clock`), and so has it after a wait frozen in the pool (the cgroup
-freezer stops the Sentry, not the host clock it reads). envd's kill timers run on that clock; E2B's
-(a Firecracker guest's clock stands still while it is paused) do not count a pause. So every capture
-stamps its memory image with the time it was taken (`stamp`), a restore on such a runtime notes how
-long ago that was (`restored`), a pooled sandbox adds the time it waited frozen (`parked`,
-`unparked`), and the next `/init` hands envd the total (`take`; `agentenvAwayMs`), which moves every
+(`RuntimeTraits.restore_advances_clock`). envd's kill timers run on that clock; E2B's (a Firecracker
+guest's clock stands still while it is paused) do not count a pause. So every capture stamps its
+memory image with the time it was taken (`stamp`), a restore on such a runtime notes how long ago that
+was (`restored`), and the next `/init` hands it to envd (`take`; `agentenvAwayMs`), which moves every
 process deadline back by that much (`agentenv/envd/lifetime.py`).
+
+A pooled sandbox is told at its take, so its wait in the pool is not counted: that is harmless, as
+what pools restore (warm images, template builds) holds no command with a timeout (a template's
+start command has none).
 """
 
 from __future__ import annotations
@@ -41,21 +43,12 @@ class TimeAway:
 
     def __init__(self) -> None:
         self._away: dict[str, float] = {}
-        self._parked_at: dict[str, float] = {}
 
     def restored(self, sandbox_id: str, image_dir: Path) -> None:
         """The sandbox was just restored from `image_dir` on a runtime whose clock moved on meanwhile."""
         at = captured_at(image_dir)
         if at is not None:
-            self._away[sandbox_id] = self._away.get(sandbox_id, 0.0) + max(0.0, time.time() - at)
-
-    def parked(self, sandbox_id: str) -> None:
-        self._parked_at[sandbox_id] = time.monotonic()
-
-    def unparked(self, sandbox_id: str) -> None:
-        since = self._parked_at.pop(sandbox_id, None)
-        if since is not None:
-            self._away[sandbox_id] = self._away.get(sandbox_id, 0.0) + (time.monotonic() - since)
+            self._away[sandbox_id] = max(0.0, time.time() - at)
 
     def take(self, sandbox_id: str) -> float | None:
         """The time away to tell envd now (None: nothing to tell); told once."""
@@ -63,4 +56,3 @@ class TimeAway:
 
     def forget(self, sandbox_id: str) -> None:
         self._away.pop(sandbox_id, None)
-        self._parked_at.pop(sandbox_id, None)

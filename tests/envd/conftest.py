@@ -172,6 +172,14 @@ def sbx(envd: Envd):
 
 
 @pytest.fixture
+def sandbox_for():
+    """The sync SDK Sandbox object for a given envd (one from `envd_factory`)."""
+    from e2b import Sandbox
+
+    return lambda envd: Sandbox(**sdk_kwargs(envd))
+
+
+@pytest.fixture
 async def asbx(envd: Envd):
     from e2b import AsyncSandbox
 

@@ -18,7 +18,6 @@ from e2b import Sandbox
 
 from agentenv.envd import lifetime
 from agentenv.envd.state import HOST_TOKEN_HEADER
-from conftest import sdk_kwargs
 
 TIMEOUT_S = 2
 AWAY_S = 5.0  # longer than TIMEOUT_S + LATE_S: the kill timer fires that late on SIGCONT
@@ -36,9 +35,8 @@ def running(sbx: Sandbox, pid: int) -> bool:
     return any(p.pid == pid for p in sbx.commands.list())
 
 
-def start_and_stop_away(envd) -> tuple[Sandbox, int, float]:
+def start_and_stop_away(envd, sbx: Sandbox) -> tuple[int, float]:
     """A `sleep` with a TIMEOUT_S timeout, then envd stopped AWAY_S; its pid and the time of SIGCONT."""
-    sbx = Sandbox(**sdk_kwargs(envd))
     handle = sbx.commands.run("sleep 120", background=True, timeout=TIMEOUT_S)
     handle.disconnect()
     started = time.monotonic()
@@ -48,7 +46,7 @@ def start_and_stop_away(envd) -> tuple[Sandbox, int, float]:
     finally:
         os.kill(envd.proc.pid, signal.SIGCONT)
     assert time.monotonic() - started - TIMEOUT_S > lifetime.LATE_S  # the premise: its timer is that late
-    return sbx, handle.pid, time.monotonic()
+    return handle.pid, time.monotonic()
 
 
 def gone_after(sbx: Sandbox, pid: int, since: float, limit: float) -> float:
@@ -60,9 +58,10 @@ def gone_after(sbx: Sandbox, pid: int, since: float, limit: float) -> float:
 
 
 @pytest.mark.timeout(60)
-def test_a_command_keeps_the_rest_of_its_timeout_when_the_host_says_the_sandbox_was_away(envd_factory):
+def test_a_command_keeps_the_rest_of_its_timeout_when_the_host_says_the_sandbox_was_away(envd_factory, sandbox_for):
     envd = fresh_envd(envd_factory)
-    sbx, pid, resumed = start_and_stop_away(envd)
+    sbx = sandbox_for(envd)
+    pid, resumed = start_and_stop_away(envd, sbx)
     r = requests.post(envd.url + "/init", json={"agentenvAwayMs": round(AWAY_S * 1000)},
                       headers={HOST_TOKEN_HEADER: envd.host_token}, timeout=10)
     assert r.status_code == 204, r.text
@@ -75,9 +74,10 @@ def test_a_command_keeps_the_rest_of_its_timeout_when_the_host_says_the_sandbox_
 
 
 @pytest.mark.timeout(60)
-def test_a_late_kill_without_word_from_the_host_waits_only_the_hold(envd_factory):
+def test_a_late_kill_without_word_from_the_host_waits_only_the_hold(envd_factory, sandbox_for):
     envd = fresh_envd(envd_factory)
-    sbx, pid, resumed = start_and_stop_away(envd)
+    sbx = sandbox_for(envd)
+    pid, resumed = start_and_stop_away(envd, sbx)
     time.sleep(1)
     assert running(sbx, pid), envd.log_tail()  # held for the host's word
     gone = gone_after(sbx, pid, resumed, lifetime.HOLD_S + 10)
@@ -85,9 +85,9 @@ def test_a_late_kill_without_word_from_the_host_waits_only_the_hold(envd_factory
 
 
 @pytest.mark.timeout(60)
-def test_an_on_time_timeout_still_kills_at_once_and_a_bad_time_away_is_refused(envd_factory):
+def test_an_on_time_timeout_still_kills_at_once_and_a_bad_time_away_is_refused(envd_factory, sandbox_for):
     envd = fresh_envd(envd_factory)
-    sbx = Sandbox(**sdk_kwargs(envd))
+    sbx = sandbox_for(envd)
     for bad in (-1, "5000", True, [1]):
         r = requests.post(envd.url + "/init", json={"agentenvAwayMs": bad},
                           headers={HOST_TOKEN_HEADER: envd.host_token}, timeout=10)
