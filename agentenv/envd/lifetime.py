@@ -11,7 +11,8 @@ The host knows how long the sandbox was away (the capture's time is kept with th
 says so in the `/init` that follows a restore (`agentenvAwayMs`, `Lifetimes.shift`): every deadline
 moves back by that much. Timers already due fire at the restore, before that `/init` can arrive, so a
 timer that fires more than LATE_S late holds its kill for up to HOLD_S, waiting for the host's word;
-without it (a sandbox merely starved of CPU for that long), it kills then.
+without it (a sandbox merely starved of CPU for that long), it kills then. A timer less late than
+that kills at once, so a command can lose up to LATE_S of its timeout to a pause.
 """
 
 from __future__ import annotations
