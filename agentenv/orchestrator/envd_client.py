@@ -66,7 +66,7 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
 
     A restored envd (fork child, snapshot) still holds the token of its checkpoint: `current_token`
     proves the right to replace it; the host token (given to envd at boot) does the same. `away_s`:
-    how long a restored sandbox was away (`agentenv.orchestrator.timeaway`).
+    how long a restored sandbox was away (`agentenv.orchestrator.continuity`).
     """
     body: dict[str, object] = {
         "accessToken": access_token,

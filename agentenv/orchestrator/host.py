@@ -25,7 +25,6 @@ import os
 import secrets
 import shutil
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from agentenv.errors import AgentEnvError, CaptureRefused, RuntimeFailure, Unava
 from agentenv.models import SandboxRecord
 from agentenv.network.policy import EgressPolicy, parse_policy
 from agentenv.network.slots import NetSlot
-from agentenv.orchestrator import envd_client, timeaway
+from agentenv.orchestrator import continuity, envd_client
 from agentenv.orchestrator.trace import span, timed
 from agentenv.runtimes import cgroups
 from agentenv.runtimes import select as runtime_select
@@ -46,10 +45,6 @@ from agentenv.runtimes.base import Runtime, SandboxSpec
 from agentenv.storage.artifacts import ArtifactCache
 
 log = logging.getLogger("agentenv.orchestrator")
-
-# The sandbox's /proc/sys/kernel/random/boot_id, in its sandbox dir (SandboxSpec.boot_id_file), and the
-# boot a memory image continues, in the image dir (`checkpoint`, `write_boot_id`).
-BOOT_ID_FILE = "boot_id"
 
 
 @dataclass
@@ -95,7 +90,7 @@ class SandboxHost:
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
         self._pinned_layers: dict[str, int] = {}  # layers of captures not committed yet
         self._rules: dict[str, EgressPolicy] = {}   # slots whose egress rules `launch` installs
-        self.away = timeaway.TimeAway()  # restored sandboxes' time away, for envd's process timeouts
+        self.away = continuity.TimeAway()  # restored sandboxes' time away, for envd's process timeouts
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
         # Teardowns and stand-downs in flight, by sandbox: they finish even when their caller is
@@ -211,30 +206,7 @@ class SandboxHost:
             cpu_count=rec.cpu_count, memory_mb=rec.memory_mb, hostname="sandbox",
             args=list(self.images.envd_argv()), env=env, disk_mb=rec.disk_mb, lowers=self.lowers(rec),
             nofile=self.settings.sandbox_nofile, memory_headroom_mb=self.settings.memory_headroom_mb,
-            boot_id_file=self.sandbox_dir(rec.sandbox_id) / BOOT_ID_FILE)
-
-    def write_boot_id(self, sandbox_id: str, image: Path | None) -> None:
-        """Write the sandbox's /proc/sys/kernel/random/boot_id (bind-mounted from its sandbox dir).
-
-        gVisor fixes its own boot_id when its kernel boots and keeps it in a checkpoint, so every
-        sandbox warm-started from one template image would share it. A boot, and a create from a
-        template (its warm or built image is ours, not the user's), is a new boot; a restore of
-        `image` continues the boot the image recorded (`checkpoint` copies the file in): a full
-        pause/resume (also on another node), a capture's source, fork children and sandboxes created
-        from a memory snapshot. An image without one (taken before the mount existed) restores its
-        own mount table, so the file it gets here is unused.
-        """
-        boot = None
-        if image is not None:
-            try:
-                boot = str(uuid.UUID((image / BOOT_ID_FILE).read_text().strip()))
-            except (OSError, ValueError):
-                boot = None
-        path = self.sandbox_dir(sandbox_id) / BOOT_ID_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(f"{boot or uuid.uuid4()}\n")
-        os.replace(tmp, path)
+            boot_id_file=self.sandbox_dir(rec.sandbox_id) / continuity.BOOT_ID_FILE)
 
     async def attach_vm_boot(self, spec: SandboxSpec) -> None:
         """MicroVM runtimes that boot what the spec names (Firecracker) get the guest image here."""
@@ -267,12 +239,12 @@ class SandboxHost:
                      restore_from: Path | None, new_boot: bool) -> None:
         """Start (or restore) the sandbox on a prepared rootfs + slot and wait until envd answers.
 
-        A start, or `new_boot`, is a new boot_id; a restore continues its image's (`write_boot_id`)."""
+        A start, or `new_boot`, is a new boot_id; a restore continues its image's (`continuity.write_boot_id`)."""
         rt = self.runtime_named(rec.runtime)
         self.runtime_of[rec.sandbox_id] = rt.name
         spec = self.spec(rec, rootfs, slot, tools)
         spec.bundle_dir.mkdir(parents=True, exist_ok=True)
-        self.write_boot_id(rec.sandbox_id, None if new_boot else restore_from)
+        continuity.write_boot_id(self.sandbox_dir(rec.sandbox_id), None if new_boot else restore_from)
         await self.attach_vm_boot(spec)
 
         async def run() -> None:
@@ -305,7 +277,7 @@ class SandboxHost:
 
     async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None) -> None:
         """`/init`: this sandbox's access token, environment and default user (a restore: re-init, and
-        how long it was away: `timeaway`)."""
+        how long it was away: `continuity`)."""
         with span("envd.init", rec.sandbox_id):
             await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
                                    host_token=self.host_token, current_token=restore_token,
@@ -382,18 +354,7 @@ class SandboxHost:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise
-        self.record_image(sid, image_dir, began)
-
-    def record_image(self, sid: str, image_dir: Path, captured_at: float) -> None:
-        """What a memory image continues besides its memory: the sandbox's boot and the time it was
-        captured (`timeaway`)."""
-        timeaway.stamp(image_dir, captured_at)
-        boot_id = self.sandbox_dir(sid) / BOOT_ID_FILE
-        try:  # the boot this image continues (`write_boot_id`); without it a restore is a new boot_id
-            if boot_id.is_file():
-                shutil.copyfile(boot_id, image_dir / BOOT_ID_FILE)
-        except OSError as e:
-            log.warning("could not record the boot_id of %s in its image: %s", sid, e)
+        continuity.record(self.sandbox_dir(sid), image_dir, began)
 
     def captures_running(self, rec: SandboxRecord) -> bool:
         """Whether the sandbox's runtime can capture it and leave it running (`checkpoint_running`)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from agentenv.errors import AgentEnvError, CaptureRefused, Unavailable
 from agentenv.models import SandboxRecord
+from agentenv.orchestrator import continuity
 from agentenv.orchestrator.host import SandboxHost, Sealed
 from agentenv.orchestrator.trace import span
 from agentenv.proc import run_cmd
@@ -106,7 +107,7 @@ class LiveCapture:
                 raise Unavailable(f"Sandbox {sid} could not be captured: {msg}", error_code="capture_failed",
                                   headers={"Retry-After": "5"}) from e
             raise
-        self.host.record_image(sid, image_dir, began)
+        continuity.record(self.host.sandbox_dir(sid), image_dir, began)
         if kwargs.get("reset_connections"):
             log.info("capture of %s reset its TCP connections first (one extra checkpoint while it ran)", sid)
         return got

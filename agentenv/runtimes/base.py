@@ -64,7 +64,7 @@ class RuntimeTraits:
     shares_rootfs: bool = False
     # A restored sandbox's monotonic clock has moved on by the time since its capture (gVisor's), so
     # the host tells envd how long it was away, for process timeouts that count run time only
-    # (`agentenv.orchestrator.timeaway`); a VM's guest clock stands still while it is saved
+    # (`agentenv.orchestrator.continuity`); a VM's guest clock stands still while it is saved
     restore_advances_clock: bool = False
 
 

@@ -147,7 +147,7 @@ def test_a_command_timeout_counts_the_time_its_sandbox_ran_not_the_pause(server,
     """As on E2B, whose paused guest's clock stands still: a command with a timeout that lives across a
     pause, or in a snapshot restored later, keeps the rest of its timeout. (gVisor moves a restored
     sandbox's clock on by its time on disk; the host tells envd how long that was:
-    agentenv/orchestrator/timeaway.py.) The pause stops the sandbox for its capture, the snapshot
+    agentenv/orchestrator/continuity.py.) The pause stops the sandbox for its capture, the snapshot
     captures it running: both ways of stamping an image are covered."""
     timeout_s, away_s = 15, 20
     sbx = tracker.create()
