@@ -58,11 +58,11 @@ class Lifetimes:
             if d.handle is not None:
                 d.handle.cancel()
 
-    def shift(self, seconds: float) -> int:
+    def shift(self, seconds: float) -> None:
         """The sandbox was away `seconds` (restored from an image that old): move every deadline back
         by that much. A deadline still due after that was due while it ran: it kills at once."""
         if seconds <= 0:
-            return 0
+            return
         now = asyncio.get_running_loop().time()
         for d in self._live:
             if d.handle is not None:
@@ -73,7 +73,6 @@ class Lifetimes:
         if self._live:
             log.info("%d process deadline(s) moved %.3fs later: the sandbox was away that long",
                      len(self._live), seconds)
-        return len(self._live)
 
     def _arm(self, d: Deadline, when: float) -> None:
         d.handle = asyncio.get_running_loop().call_at(when, self._due, d)

@@ -110,8 +110,6 @@ async def init(request: web.Request) -> web.Response:
     if away_ms is not None and (isinstance(away_ms, bool) or not isinstance(away_ms, (int, float)) or away_ms < 0):
         return web.json_response({"code": 400, "message": "agentenvAwayMs must be a number of milliseconds >= 0"},
                                  status=400)
-    if away_ms:  # process timeouts count the time the sandbox ran, not the time it was away
-        request.app[process.MANAGER_KEY].lifetimes.shift(away_ms / 1000)
     if "accessToken" in body:
         state.access_token = body["accessToken"] or None
     if "envVars" in body:
@@ -126,6 +124,8 @@ async def init(request: web.Request) -> web.Response:
     host_time = clock.parse_timestamp(body.get("timestamp"))
     if host_time is not None:  # a restored microVM's clock lags by the time its image was stored
         clock.sync(host_time)
+    if away_ms:  # process timeouts count the time the sandbox ran, not the time it was away
+        request.app[process.MANAGER_KEY].lifetimes.shift(away_ms / 1000)
     state.initialized = True
     log.info("initialized (token=%s, %d env vars, user=%s)", bool(state.access_token), len(state.env_vars), state.default_user)
     return web.Response(status=204)

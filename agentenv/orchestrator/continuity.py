@@ -8,8 +8,8 @@ that boot, a boot or a create from a template is a new one (`write_boot_id`).
 its capture (`RuntimeTraits.restore_advances_clock`). envd's kill timers run on that clock; E2B's (a
 Firecracker guest's clock stands still while it is paused) do not count a pause. So every capture
 stamps its image with the time it began (`record`), a restore on such a runtime notes how long ago
-that was (`TimeAway.restored`), and the next `/init` hands it to envd (`TimeAway.take`;
-`agentenvAwayMs`), which moves every process deadline back by that much (`agentenv/envd/lifetime.py`).
+that was (`time_away`, kept by `SandboxHost` until then), and the next `/init` hands it to envd
+(`agentenvAwayMs`), which moves every process deadline back by that much (`agentenv/envd/lifetime.py`).
 A pooled sandbox is told at its take, so its wait in the pool is not counted: that is harmless, as
 what pools restore (warm images, template builds) holds no command with a timeout (a template's
 start command has none).
@@ -69,28 +69,10 @@ def write_boot_id(sandbox_dir: Path, image: Path | None) -> None:
     os.replace(tmp, path)
 
 
-def captured_at(image_dir: Path) -> float | None:
+def time_away(image_dir: Path) -> float | None:
+    """Seconds since the capture of the image just restored; None for an image from before agentenv
+    recorded it (nothing is moved)."""
     try:
-        return float((image_dir / CAPTURED_AT_FILE).read_text().strip())
+        return max(0.0, time.time() - float((image_dir / CAPTURED_AT_FILE).read_text().strip()))
     except (OSError, ValueError):
-        return None  # an image from before agentenv recorded it: nothing is moved
-
-
-class TimeAway:
-    """Per sandbox on this node: the seconds it was away that envd has not been told of yet."""
-
-    def __init__(self) -> None:
-        self._away: dict[str, float] = {}
-
-    def restored(self, sandbox_id: str, image_dir: Path) -> None:
-        """The sandbox was just restored from `image_dir` on a runtime whose clock moved on meanwhile."""
-        at = captured_at(image_dir)
-        if at is not None:
-            self._away[sandbox_id] = max(0.0, time.time() - at)
-
-    def take(self, sandbox_id: str) -> float | None:
-        """The time away to tell envd now (None: nothing to tell); told once."""
-        return self._away.pop(sandbox_id, None)
-
-    def forget(self, sandbox_id: str) -> None:
-        self._away.pop(sandbox_id, None)
+        return None

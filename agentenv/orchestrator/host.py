@@ -90,7 +90,8 @@ class SandboxHost:
         self._pinned_memory: dict[str, int] = {}  # memory digests in use by restores in flight
         self._pinned_layers: dict[str, int] = {}  # layers of captures not committed yet
         self._rules: dict[str, EgressPolicy] = {}   # slots whose egress rules `launch` installs
-        self.away = continuity.TimeAway()  # restored sandboxes' time away, for envd's process timeouts
+        # Restored sandboxes' time away, until their next `/init` tells envd (`continuity`).
+        self._away: dict[str, float] = {}
         # Awaited with a sandbox id before its connections must be gone (kill, checkpoint).
         self.on_before_stop: list[Callable[[str], Awaitable[None]]] = []
         # Teardowns and stand-downs in flight, by sandbox: they finish even when their caller is
@@ -254,8 +255,9 @@ class SandboxHost:
             else:
                 with span("runtime.restore", rec.sandbox_id):
                     await rt.restore(spec, restore_from)
-                if rt.traits.restore_advances_clock:
-                    self.away.restored(rec.sandbox_id, restore_from)
+                away = continuity.time_away(restore_from) if rt.traits.restore_advances_clock else None
+                if away is not None:
+                    self._away[rec.sandbox_id] = away
 
         async def rules(policy: EgressPolicy) -> None:
             with span("network.rules", rec.sandbox_id):
@@ -282,7 +284,7 @@ class SandboxHost:
             await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
                                    host_token=self.host_token, current_token=restore_token,
                                    default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME,
-                                   away_s=self.away.take(rec.sandbox_id))
+                                   away_s=self._away.pop(rec.sandbox_id, None))
 
     async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                        slot: NetSlot | None = None, new_boot: bool = False) -> None:
@@ -476,7 +478,7 @@ class SandboxHost:
         except Exception:  # noqa: BLE001 - teardown must go on
             log.exception("runtime stop failed for %s", sandbox_id)
         self.runtime_of.pop(sandbox_id, None)
-        self.away.forget(sandbox_id)
+        self._away.pop(sandbox_id, None)
         # independent of each other
         await asyncio.gather(self.release_slot(sandbox_id, stopped=stopped), self._unmount_quietly(sandbox_id))
         # The sandbox dir goes last: while it exists, `agentenv gc` after a crash knows the sandbox
