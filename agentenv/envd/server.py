@@ -124,8 +124,12 @@ async def init(request: web.Request) -> web.Response:
     host_time = clock.parse_timestamp(body.get("timestamp"))
     if host_time is not None:  # a restored microVM's clock lags by the time its image was stored
         clock.sync(host_time)
-    if away_ms:  # process timeouts count the time the sandbox ran, not the time it was away
+    stamp = body.get("timestamp")
+    if away_ms and (stamp is None or stamp != state.away_applied):
+        # process timeouts count the time the sandbox ran, not the time it was away; the host resends
+        # an /init whose answer it did not get (the same body, `timestamp` included): moved once
         request.app[process.MANAGER_KEY].lifetimes.shift(away_ms / 1000)
+        state.away_applied = stamp if isinstance(stamp, str) else None
     state.initialized = True
     log.info("initialized (token=%s, %d env vars, user=%s)", bool(state.access_token), len(state.env_vars), state.default_user)
     return web.Response(status=204)

@@ -32,6 +32,8 @@ class EnvdState:
     env_vars: dict[str, str] = field(default_factory=dict)
     default_user: str = DEFAULT_USER
     default_workdir: str | None = None
+    # the `timestamp` of the /init whose `agentenvAwayMs` moved the deadlines (a resent copy moves none)
+    away_applied: str | None = None
     executor: UserExecutor = field(default_factory=UserExecutor)
 
     @classmethod

@@ -26,47 +26,65 @@ log = logging.getLogger(__name__)
 _ENVELOPE = struct.Struct(">BI")  # Connect streaming: flags, big-endian length
 
 
-async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) -> float:
-    """Poll GET /health until 204; returns seconds waited. `is_alive()` aborts early if the sandbox died."""
+async def _until_answered(host_ip: str, send, *, timeout: float, is_alive, what: str) -> float:
+    """Call `send(http, request_timeout)` until it answers True; returns seconds waited. `send` raises
+    RuntimeFailure for an answer that trying again cannot change. `is_alive()` aborts early if the
+    sandbox died."""
     start = time.monotonic()
-    url = f"http://{host_ip}:{ENVD_PORT}/health"
     delay = 0.01
     last_err: str = "no answer"
     # A connect whose SYN was dropped (the slot's host side was still coming up) would wait out the
     # kernel's 1 s SYN retransmission: try again sooner with a fresh connection instead, with a connect
     # timeout that grows so a loaded host still gets there.
-    # The same for a whole request: a health check answers in a few ms, and one left unanswered
-    # (measured: 1 in ~12 resumes waited 1.0 s for it) is given up for a fresh connection.
+    # The same for a whole request: envd answers in a few ms, and one left unanswered (measured: 1 in
+    # ~12 resumes waited 1.0 s for it) is given up for a fresh connection.
     connect, whole = 0.1, 0.25
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2.0)) as http:
         while True:
             try:
-                async with http.get(url, timeout=aiohttp.ClientTimeout(total=whole, sock_connect=connect)) as resp:
-                    if resp.status in (200, 204):
-                        return time.monotonic() - start
-                    last_err = f"HTTP {resp.status}"
+                answer = await send(http, aiohttp.ClientTimeout(total=whole, sock_connect=connect))
+                if answer is True:
+                    return time.monotonic() - start
+                last_err = str(answer)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 last_err = f"{type(e).__name__}: {e}"
-                log.debug("envd at %s: no health answer yet after %.3fs (%s)", host_ip, time.monotonic() - start,
-                          last_err)
+                log.debug("envd at %s: no %s answer yet after %.3fs (%s)", host_ip, what,
+                          time.monotonic() - start, last_err)
                 if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
                     connect, whole = min(connect * 2, 2.0), min(whole * 2, 2.0)
             if time.monotonic() - start > timeout:
-                raise RuntimeFailure(f"envd did not become healthy within {timeout:.0f}s ({last_err})")
+                raise RuntimeFailure(f"envd did not answer {what} within {timeout:.0f}s ({last_err})")
             if is_alive is not None and delay >= 0.08 and not await is_alive():
-                raise RuntimeFailure(f"sandbox exited before envd became healthy ({last_err})")
+                raise RuntimeFailure(f"sandbox exited before envd answered {what} ({last_err})")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
 
 
+async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) -> float:
+    """Poll GET /health until 204; returns seconds waited. `is_alive()` aborts early if the sandbox died."""
+    url = f"http://{host_ip}:{ENVD_PORT}/health"
+
+    async def health(http: aiohttp.ClientSession, t: aiohttp.ClientTimeout) -> bool | str:
+        async with http.get(url, timeout=t) as resp:
+            return True if resp.status in (200, 204) else f"HTTP {resp.status}"
+
+    return await _until_answered(host_ip, health, timeout=timeout, is_alive=is_alive, what="/health")
+
+
 async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, str], host_token: str,
                default_user: str, default_workdir: str, current_token: str | None = None,
-               away_s: float | None = None, timeout: float = 10.0) -> None:
+               away_s: float | None = None, timeout: float = 10.0, until_up: float | None = None,
+               is_alive=None) -> None:
     """POST /init: hands envd its access token, global env vars and default user.
 
     A restored envd (fork child, snapshot) still holds the token of its checkpoint: `current_token`
     proves the right to replace it; the host token (given to envd at boot) does the same. `away_s`:
     how long a restored sandbox was away (`agentenv.orchestrator.continuity`).
+
+    `until_up`: envd may not answer yet (a sandbox just started or restored): send it until envd
+    answers, for up to that many seconds, as `wait_healthy` polls (`is_alive` as there). This spares
+    the bring-up a health check's round trip into the new sandbox. The same body goes each time, so a
+    second copy of an /init whose answer was lost changes nothing (envd: `timestamp`).
     """
     body: dict[str, object] = {
         "accessToken": access_token,
@@ -81,11 +99,21 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
     headers = {HOST_TOKEN_HEADER: host_token}
     if current_token:
         headers["X-Access-Token"] = current_token
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
-        async with http.post(f"http://{host_ip}:{ENVD_PORT}/init", json=body, headers=headers) as resp:
+    url = f"http://{host_ip}:{ENVD_PORT}/init"
+
+    async def send(http: aiohttp.ClientSession, t: aiohttp.ClientTimeout | None = None) -> bool:
+        # no `timeout` argument: the session's (None there would mean none at all)
+        async with http.post(url, json=body, headers=headers, **({"timeout": t} if t else {})) as resp:
             if resp.status >= 300:
                 text = (await resp.text())[:500]
                 raise RuntimeFailure(f"envd /init failed: HTTP {resp.status}: {text}")
+            return True
+
+    if until_up is not None:
+        await _until_answered(host_ip, send, timeout=until_up, is_alive=is_alive, what="/init")
+        return
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        await send(http)
 
 
 async def blocking_connections(host_ip: str, *, host_token: str, timeout: float = 5.0) -> list[dict]:

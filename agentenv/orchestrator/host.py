@@ -4,7 +4,8 @@ Every lifecycle operation (create, fork, pause/resume, snapshot) and every build
 template builds) brings sandboxes up, captures and tears them down through this one layer:
 
 - bring-up  = rootfs mount + network slot (in parallel) → spec → start or restore → slot up →
-              envd healthy → `/init` (`bring_up`; `prepare` + `launch` + `init_envd` separately)
+              `/init`, sent until envd answers it (`bring_up`; `prepare` + `launch`, which then
+              waits for envd's health, + `init_envd` separately: the pool's)
 - capture   = checkpoint (`checkpoint`) + seal (`seal`: unmount → upper into a layer → memory
               image into an artifact); `capture` is both, in that order. Where the runtime can
               (`traits.captures_running`), `checkpoint_running` + `seal_copy` instead: frozen for the
@@ -237,8 +238,9 @@ class SandboxHost:
         return rootfs, slot
 
     async def launch(self, rec: SandboxRecord, rootfs: Path, slot: NetSlot, tools: Path, *,
-                     restore_from: Path | None, new_boot: bool) -> None:
-        """Start (or restore) the sandbox on a prepared rootfs + slot and wait until envd answers.
+                     restore_from: Path | None, new_boot: bool, wait: bool = True) -> None:
+        """Start (or restore) the sandbox on a prepared rootfs + slot and wait until envd answers
+        (`wait`; else the caller's `init_envd(up=True)` waits for it).
 
         A start, or `new_boot`, is a new boot_id; a restore continues its image's (`continuity.write_boot_id`)."""
         rt = self.runtime_named(rec.runtime)
@@ -273,18 +275,27 @@ class SandboxHost:
                     raise r
         with span("network.activate", rec.sandbox_id):  # gVisor's guest link has eth0's fixed MAC
             await self.network.activate(slot, guest_mac=None if rt.traits.vm else constants.GUEST_MAC)
+        if not wait:
+            return
         with span("envd.wait_healthy", rec.sandbox_id):
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
                                            timeout=rt.traits.envd_timeout_s)
 
-    async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None) -> None:
+    async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None, *,
+                        up: bool = False) -> None:
         """`/init`: this sandbox's access token, environment and default user (a restore: re-init, and
-        how long it was away: `continuity`)."""
-        with span("envd.init", rec.sandbox_id):
+        how long it was away: `continuity`). `up`: right after `launch(wait=False)`: the `/init` is
+        sent until envd answers it, which spares a health check's round trip into the new sandbox."""
+        sid = rec.sandbox_id
+        wait: dict[str, Any] = {}
+        if up:
+            rt = self.runtime_for(sid, rec.runtime)
+            wait = {"until_up": rt.traits.envd_timeout_s, "is_alive": lambda: rt.is_alive(sid)}
+        with span("envd.up_init" if up else "envd.init", sid):
             await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
                                    host_token=self.host_token, current_token=restore_token,
                                    default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME,
-                                   away_s=self._away.pop(rec.sandbox_id, None))
+                                   away_s=self._away.pop(sid, None), **wait)
 
     async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                        slot: NetSlot | None = None, new_boot: bool = False) -> None:
@@ -292,8 +303,8 @@ class SandboxHost:
         tools = await self.images.ensure_tools()
         with span("host.prepare", rec.sandbox_id):
             rootfs, slot = await self.prepare(rec, slot)
-        await self.launch(rec, rootfs, slot, tools, restore_from=restore_from, new_boot=new_boot)
-        await self.init_envd(rec, slot, restore_token)
+        await self.launch(rec, rootfs, slot, tools, restore_from=restore_from, new_boot=new_boot, wait=False)
+        await self.init_envd(rec, slot, restore_token, up=True)
 
     # ------------------------------------------------------------------ drain, capture
 

@@ -49,9 +49,11 @@ class Envd:
             return f"<no log: {exc}>"
 
 
-def start_envd(workdir: Path, extra_env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Envd:
-    """envd on a free loopback port; `prefix` runs it through a wrapper (e.g. setpriv dropping a capability)."""
-    port = free_port()
+def start_envd(workdir: Path, extra_env: dict[str, str] | None = None, prefix: list[str] | None = None,
+               host: str = "127.0.0.1", port: int | None = None) -> Envd:
+    """envd on a free loopback port (or `host`:`port`); `prefix` runs it through a wrapper (e.g. setpriv
+    dropping a capability)."""
+    port = port or free_port()
     host_token = secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_")}
     env["AGENTENV_ENVD_HOST_TOKEN"] = host_token
@@ -59,11 +61,11 @@ def start_envd(workdir: Path, extra_env: dict[str, str] | None = None, prefix: l
     log_path = workdir / f"envd-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", "agentenv.envd", "--host", "127.0.0.1", "--port", str(port), "--subreaper"],
+            [*(prefix or []), sys.executable, "-m", "agentenv.envd", "--host", host, "--port", str(port), "--subreaper"],
             cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    envd = Envd(f"http://127.0.0.1:{port}", proc, log_path, host_token)
+    envd = Envd(f"http://{host}:{port}", proc, log_path, host_token)
     deadline = time.monotonic() + 15
     while True:
         if proc.poll() is not None:
@@ -205,8 +207,8 @@ def envd_factory(tmp_path: Path) -> Iterator:
     """Start extra envd instances (e.g. with other env settings); all are stopped after the test."""
     started: list[Envd] = []
 
-    def factory(extra_env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Envd:
-        server = start_envd(tmp_path, extra_env, prefix)
+    def factory(extra_env: dict[str, str] | None = None, prefix: list[str] | None = None, **where) -> Envd:
+        server = start_envd(tmp_path, extra_env, prefix, **where)
         started.append(server)
         return server
 

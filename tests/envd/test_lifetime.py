@@ -74,6 +74,23 @@ def test_a_command_keeps_the_rest_of_its_timeout_when_the_host_says_the_sandbox_
 
 
 @pytest.mark.timeout(60)
+def test_an_init_the_host_sends_again_moves_the_deadlines_once(envd_factory, sandbox_for):
+    # The bring-up sends its /init until envd answers (`envd_client.init(until_up=...)`): an /init
+    # whose answer was lost arrives twice, the same body each time.
+    envd = fresh_envd(envd_factory)
+    sbx = sandbox_for(envd)
+    pid, resumed = start_and_stop_away(envd, sbx)
+    body = {"agentenvAwayMs": round(AWAY_S * 1000), "timestamp": "2026-12-07T16:00:00.000Z"}
+    for _ in range(2):
+        r = requests.post(envd.url + "/init", json=body, headers={HOST_TOKEN_HEADER: envd.host_token}, timeout=10)
+        assert r.status_code == 204, r.text
+    assert running(sbx, pid), envd.log_tail()
+    # moved back once, it has the rest of its two seconds; moved twice, it would run AWAY_S more
+    gone = gone_after(sbx, pid, resumed, 20)
+    assert gone < TIMEOUT_S + 3, f"killed {gone:.1f}s after SIGCONT, its timeout is {TIMEOUT_S}s\n{envd.log_tail()}"
+
+
+@pytest.mark.timeout(60)
 def test_a_late_kill_without_word_from_the_host_waits_only_the_hold(envd_factory, sandbox_for):
     envd = fresh_envd(envd_factory)
     sbx = sandbox_for(envd)

@@ -1,0 +1,64 @@
+"""The bring-up's `/init` doubles as its readiness check (`envd_client.init(until_up=...)`,
+`SandboxHost.bring_up`): it is sent until the new sandbox's envd answers it, gives up when the sandbox
+is gone, and never repeats an answer that repeating cannot change. Against a real envd on a loopback
+address at envd's own port, as the host reaches a sandbox's slot."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+import pytest
+import requests
+
+from agentenv.constants import ENVD_PORT
+from agentenv.errors import RuntimeFailure
+from agentenv.orchestrator import envd_client
+
+
+def loopback() -> str:
+    """A loopback address nobody listens on (as a slot's address before its sandbox runs)."""
+    return f"127.{secrets.randbelow(200) + 20}.{secrets.randbelow(250) + 1}.{secrets.randbelow(250) + 2}"
+
+
+def init_kwargs(host_token: str, token: str) -> dict:
+    return dict(access_token=token, env_vars={"BRING_UP": "yes"}, host_token=host_token,
+                default_user="root", default_workdir="/")
+
+
+async def test_the_bring_up_init_is_sent_until_envd_answers_it(envd_factory):
+    ip, host_token, token = loopback(), secrets.token_hex(16), secrets.token_hex(8)
+    began = time.monotonic()
+    sending = asyncio.create_task(envd_client.init(ip, **init_kwargs(host_token, token), until_up=30))
+    await asyncio.sleep(1.0)
+    assert not sending.done()  # nothing listens yet: refused, sent again
+    envd = await asyncio.to_thread(envd_factory, {"AGENTENV_ENVD_HOST_TOKEN": host_token}, host=ip, port=ENVD_PORT)
+    await asyncio.wait_for(sending, 30)
+    assert time.monotonic() - began > 1.0
+    # envd took it: the new token guards it, and the environment is the one sent
+    assert requests.get(envd.url + "/envs", timeout=10).status_code == 401
+    r = requests.get(envd.url + "/envs", headers={"X-Access-Token": token}, timeout=10)
+    assert r.status_code == 200 and r.json().get("BRING_UP") == "yes", r.text
+
+
+async def test_a_bring_up_init_gives_up_as_soon_as_the_sandbox_is_gone():
+    async def gone() -> bool:
+        return False
+
+    began = time.monotonic()
+    with pytest.raises(RuntimeFailure, match="sandbox exited before envd answered /init"):
+        await envd_client.init(loopback(), **init_kwargs("h", "t"), until_up=30, is_alive=gone)
+    assert time.monotonic() - began < 5
+
+
+async def test_a_refused_bring_up_init_is_not_sent_again(envd_factory):
+    ip = loopback()
+    envd = await asyncio.to_thread(envd_factory, host=ip, port=ENVD_PORT)
+    r = requests.post(envd.url + "/init", json={"accessToken": "first"}, timeout=10)
+    assert r.status_code == 204, r.text
+    began = time.monotonic()
+    with pytest.raises(RuntimeFailure, match="HTTP 401"):  # neither the current token nor the host's
+        await envd_client.init(ip, **init_kwargs("not-the-host-token", "second"), until_up=30)
+    assert time.monotonic() - began < 5
+    assert requests.get(envd.url + "/envs", headers={"X-Access-Token": "first"}, timeout=10).status_code == 200
