@@ -73,18 +73,18 @@ async def wait_healthy(host_ip: str, *, timeout: float = 60.0, is_alive=None) ->
 
 async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, str], host_token: str,
                default_user: str, default_workdir: str, current_token: str | None = None,
-               away_s: float | None = None, timeout: float = 10.0, until_up: float | None = None,
-               is_alive=None) -> None:
+               away_s: float | None = None, timeout: float = 60.0, is_alive=None) -> None:
     """POST /init: hands envd its access token, global env vars and default user.
 
     A restored envd (fork child, snapshot) still holds the token of its checkpoint: `current_token`
     proves the right to replace it; the host token (given to envd at boot) does the same. `away_s`:
     how long a restored sandbox was away (`agentenv.orchestrator.continuity`).
 
-    `until_up`: envd may not answer yet (a sandbox just started or restored): send it until envd
-    answers, for up to that many seconds, as `wait_healthy` polls (`is_alive` as there). This spares
-    the bring-up a health check's round trip into the new sandbox. The same body goes each time, so a
-    second copy of an /init whose answer was lost changes nothing (envd: `timestamp`).
+    Sent until envd answers it, for up to `timeout` seconds, as `wait_healthy` polls (`is_alive` as
+    there): right after a start or restore it is the readiness check, with no health check's round
+    trip before it. The same body goes each time, so a second copy of an /init whose answer was lost
+    changes nothing (envd: `timestamp`). An answer that trying again cannot change (401, 4xx, 5xx)
+    fails at once.
     """
     body: dict[str, object] = {
         "accessToken": access_token,
@@ -101,19 +101,14 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
         headers["X-Access-Token"] = current_token
     url = f"http://{host_ip}:{ENVD_PORT}/init"
 
-    async def send(http: aiohttp.ClientSession, t: aiohttp.ClientTimeout | None = None) -> bool:
-        # no `timeout` argument: the session's (None there would mean none at all)
-        async with http.post(url, json=body, headers=headers, **({"timeout": t} if t else {})) as resp:
+    async def send(http: aiohttp.ClientSession, t: aiohttp.ClientTimeout) -> bool:
+        async with http.post(url, json=body, headers=headers, timeout=t) as resp:
             if resp.status >= 300:
                 text = (await resp.text())[:500]
                 raise RuntimeFailure(f"envd /init failed: HTTP {resp.status}: {text}")
             return True
 
-    if until_up is not None:
-        await _until_answered(host_ip, send, timeout=until_up, is_alive=is_alive, what="/init")
-        return
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as http:
-        await send(http)
+    await _until_answered(host_ip, send, timeout=timeout, is_alive=is_alive, what="/init")
 
 
 async def blocking_connections(host_ip: str, *, host_token: str, timeout: float = 5.0) -> list[dict]:

@@ -5,7 +5,7 @@ template builds) brings sandboxes up, captures and tears them down through this 
 
 - bring-up  = rootfs mount + network slot (in parallel) → spec → start or restore → slot up →
               `/init`, sent until envd answers it (`bring_up`; `prepare` + `launch`, which then
-              waits for envd's health, + `init_envd` separately: the pool's)
+              waits for envd's health, + `init_envd` separately: the pool's fill and take)
 - capture   = checkpoint (`checkpoint`) + seal (`seal`: unmount → upper into a layer → memory
               image into an artifact); `capture` is both, in that order. Where the runtime can
               (`traits.captures_running`), `checkpoint_running` + `seal_copy` instead: frozen for the
@@ -240,7 +240,7 @@ class SandboxHost:
     async def launch(self, rec: SandboxRecord, rootfs: Path, slot: NetSlot, tools: Path, *,
                      restore_from: Path | None, new_boot: bool, wait: bool = True) -> None:
         """Start (or restore) the sandbox on a prepared rootfs + slot and wait until envd answers
-        (`wait`; else the caller's `init_envd(up=True)` waits for it).
+        (`wait`; else the caller's `init_envd`, sent until envd answers, waits for it).
 
         A start, or `new_boot`, is a new boot_id; a restore continues its image's (`continuity.write_boot_id`)."""
         rt = self.runtime_named(rec.runtime)
@@ -281,21 +281,19 @@ class SandboxHost:
             await envd_client.wait_healthy(slot.host_ip, is_alive=lambda: rt.is_alive(rec.sandbox_id),
                                            timeout=rt.traits.envd_timeout_s)
 
-    async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None, *,
-                        up: bool = False) -> None:
+    async def init_envd(self, rec: SandboxRecord, slot: NetSlot, restore_token: str | None) -> None:
         """`/init`: this sandbox's access token, environment and default user (a restore: re-init, and
-        how long it was away: `continuity`). `up`: right after `launch(wait=False)`: the `/init` is
-        sent until envd answers it, which spares a health check's round trip into the new sandbox."""
+        how long it was away: `continuity`). Sent until envd answers it and given up as soon as the
+        sandbox is gone: right after `launch(wait=False)` it is the readiness check (no health check's
+        round trip before it), and a pooled sandbox may have died while it waited."""
         sid = rec.sandbox_id
-        wait: dict[str, Any] = {}
-        if up:
-            rt = self.runtime_for(sid, rec.runtime)
-            wait = {"until_up": rt.traits.envd_timeout_s, "is_alive": lambda: rt.is_alive(sid)}
-        with span("envd.up_init" if up else "envd.init", sid):
+        rt = self.runtime_for(sid, rec.runtime)
+        with span("envd.init", sid):
             await envd_client.init(slot.host_ip, access_token=rec.envd_access_token, env_vars=self.sandbox_env(rec),
                                    host_token=self.host_token, current_token=restore_token,
                                    default_user=DEFAULT_USER, default_workdir=DEFAULT_HOME,
-                                   away_s=self._away.pop(sid, None), **wait)
+                                   away_s=self._away.pop(sid, None), timeout=rt.traits.envd_timeout_s,
+                                   is_alive=lambda: rt.is_alive(sid))
 
     async def bring_up(self, rec: SandboxRecord, *, restore_from: Path | None, restore_token: str | None,
                        slot: NetSlot | None = None, new_boot: bool = False) -> None:
@@ -304,7 +302,7 @@ class SandboxHost:
         with span("host.prepare", rec.sandbox_id):
             rootfs, slot = await self.prepare(rec, slot)
         await self.launch(rec, rootfs, slot, tools, restore_from=restore_from, new_boot=new_boot, wait=False)
-        await self.init_envd(rec, slot, restore_token, up=True)
+        await self.init_envd(rec, slot, restore_token)
 
     # ------------------------------------------------------------------ drain, capture
 

@@ -1,4 +1,4 @@
-"""The bring-up's `/init` doubles as its readiness check (`envd_client.init(until_up=...)`,
+"""The bring-up's `/init` doubles as its readiness check (`envd_client.init`,
 `SandboxHost.bring_up`): it is sent until the new sandbox's envd answers it, gives up when the sandbox
 is gone, and never repeats an answer that repeating cannot change. Against a real envd on a loopback
 address at envd's own port, as the host reaches a sandbox's slot."""
@@ -30,7 +30,7 @@ def init_kwargs(host_token: str, token: str) -> dict:
 async def test_the_bring_up_init_is_sent_until_envd_answers_it(envd_factory):
     ip, host_token, token = loopback(), secrets.token_hex(16), secrets.token_hex(8)
     began = time.monotonic()
-    sending = asyncio.create_task(envd_client.init(ip, **init_kwargs(host_token, token), until_up=30))
+    sending = asyncio.create_task(envd_client.init(ip, **init_kwargs(host_token, token), timeout=30))
     await asyncio.sleep(1.0)
     assert not sending.done()  # nothing listens yet: refused, sent again
     envd = await asyncio.to_thread(envd_factory, {"AGENTENV_ENVD_HOST_TOKEN": host_token}, host=ip, port=ENVD_PORT)
@@ -48,7 +48,7 @@ async def test_a_bring_up_init_gives_up_as_soon_as_the_sandbox_is_gone():
 
     began = time.monotonic()
     with pytest.raises(RuntimeFailure, match="sandbox exited before envd answered /init"):
-        await envd_client.init(loopback(), **init_kwargs("h", "t"), until_up=30, is_alive=gone)
+        await envd_client.init(loopback(), **init_kwargs("h", "t"), timeout=30, is_alive=gone)
     assert time.monotonic() - began < 5
 
 
@@ -59,6 +59,6 @@ async def test_a_refused_bring_up_init_is_not_sent_again(envd_factory):
     assert r.status_code == 204, r.text
     began = time.monotonic()
     with pytest.raises(RuntimeFailure, match="HTTP 401"):  # neither the current token nor the host's
-        await envd_client.init(ip, **init_kwargs("not-the-host-token", "second"), until_up=30)
+        await envd_client.init(ip, **init_kwargs("not-the-host-token", "second"), timeout=30)
     assert time.monotonic() - began < 5
     assert requests.get(envd.url + "/envs", headers={"X-Access-Token": "first"}, timeout=10).status_code == 200

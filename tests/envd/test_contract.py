@@ -591,7 +591,7 @@ async def test_host_clients_use_only_the_contract(envd_factory, contract, http_s
         await envd_client.wait_healthy(ip, timeout=10)
         token = secrets.token_hex(8)
         await envd_client.init(ip, access_token=token, env_vars={"CT": "1"}, host_token=server.host_token,
-                               default_user=temp_user.name, default_workdir=workdir, until_up=10)
+                               default_user=temp_user.name, default_workdir=workdir)
         out: list[tuple[str, str]] = []
         code = await envd_client.run_process(ip, access_token=token, cmd="echo $CT; echo e >&2; exit 4",
                                              user=temp_user.name, cwd=workdir, envs={"X": "y"},

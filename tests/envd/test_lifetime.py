@@ -75,7 +75,7 @@ def test_a_command_keeps_the_rest_of_its_timeout_when_the_host_says_the_sandbox_
 
 @pytest.mark.timeout(60)
 def test_an_init_the_host_sends_again_moves_the_deadlines_once(envd_factory, sandbox_for):
-    # The bring-up sends its /init until envd answers (`envd_client.init(until_up=...)`): an /init
+    # The bring-up sends its /init until envd answers (`envd_client.init`): an /init
     # whose answer was lost arrives twice, the same body each time.
     envd = fresh_envd(envd_factory)
     sbx = sandbox_for(envd)
