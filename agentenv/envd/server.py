@@ -121,15 +121,15 @@ async def init(request: web.Request) -> web.Response:
         state.default_user = str(body["defaultUser"])
     if body.get("defaultWorkdir"):
         state.default_workdir = str(body["defaultWorkdir"])
-    host_time = clock.parse_timestamp(body.get("timestamp"))
+    stamp = body.get("timestamp")
+    host_time = clock.parse_timestamp(stamp)
     if host_time is not None:  # a restored microVM's clock lags by the time its image was stored
         clock.sync(host_time)
-    stamp = body.get("timestamp")
     if away_ms and (stamp is None or stamp != state.away_applied):
         # process timeouts count the time the sandbox ran, not the time it was away; the host resends
         # an /init whose answer it did not get (the same body, `timestamp` included): moved once
         request.app[process.MANAGER_KEY].lifetimes.shift(away_ms / 1000)
-        state.away_applied = stamp if isinstance(stamp, str) else None
+        state.away_applied = stamp
     state.initialized = True
     log.info("initialized (token=%s, %d env vars, user=%s)", bool(state.access_token), len(state.env_vars), state.default_user)
     return web.Response(status=204)

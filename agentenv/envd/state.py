@@ -33,7 +33,7 @@ class EnvdState:
     default_user: str = DEFAULT_USER
     default_workdir: str | None = None
     # the `timestamp` of the /init whose `agentenvAwayMs` moved the deadlines (a resent copy moves none)
-    away_applied: str | None = None
+    away_applied: object = None
     executor: UserExecutor = field(default_factory=UserExecutor)
 
     @classmethod

@@ -83,8 +83,8 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
     Sent until envd answers it, for up to `timeout` seconds, as `wait_healthy` polls (`is_alive` as
     there): right after a start or restore it is the readiness check, with no health check's round
     trip before it. The same body goes each time, so a second copy of an /init whose answer was lost
-    changes nothing (envd: `timestamp`). An answer that trying again cannot change (401, 4xx, 5xx)
-    fails at once.
+    changes nothing (envd: `timestamp`). An HTTP error answer fails at once: trying again cannot
+    change it.
     """
     body: dict[str, object] = {
         "accessToken": access_token,
