@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,44 @@ def test_sweep_reclaims_unreferenced_pages_and_compacts(tmp_path, pages):
     (recipes / db).unlink()
     ps.sweep(listing)
     assert ps.stored_bytes() == 0
+
+
+def test_a_page_two_packs_hold_stays_found_when_one_of_them_goes(tmp_path, pages):
+    """Node a seals its own pack, then pulls node b's, which holds some of the same pages. When a's
+    own pack goes (nothing here uses it any longer), those pages are still in b's pack, which stays:
+    pulling b's image again needs nothing downloaded and rebuilds it exactly (the cluster soak once
+    found such a page 'missing from the page store' while its pack sat here)."""
+    shared, own, theirs = pages[:128], pages[128:384], pages[384:]
+    a, ra = PageStore(tmp_path / "a"), tmp_path / "ra"
+    b, rb = PageStore(tmp_path / "b"), tmp_path / "rb"
+    d1, _ = seal(a, image(tmp_path / "i1", shared + own, b"one"), ra)
+    d2, _ = seal(b, image(tmp_path / "i2", shared + theirs, b"two"), rb)
+    recipe2 = Recipe.load(rb / d2)
+
+    def pull() -> list[str]:  # as a node pulls a recipe from the snapshot store: the packs it lacks
+        wire = tmp_path / "wire"
+        wire.mkdir(exist_ok=True)
+        got = []
+        for name, path in b.link_packs(recipe2, wire):
+            if not a.has_pack(name):
+                dst = a.download_path(name)
+                shutil.copyfile(path, dst)
+                a.adopt(name, dst)
+                got.append(name)
+            path.unlink()
+        return got
+
+    assert a.lacks(recipe2) and len(pull()) == 1 and not a.lacks(recipe2)
+    shutil.copyfile(rb / d2, ra / d2)
+    # an image of b's pages only is the one a keeps; images 1 and 2 go
+    d3, new = seal(a, image(tmp_path / "i3", theirs[::-1], b"three"), ra)
+    assert new <= 2 * PAGE  # b's pack had them
+    (ra / d1).unlink()
+    (ra / d2).unlink()
+    swept = a.sweep(lambda: list(ra.iterdir()))
+    assert swept["packs_deleted"] + swept["packs_compacted"] == 1  # a's own pack went (its live page moved)
+    # image 2 again: b's pack is still here, and so are the shared pages in it
+    assert pull() == [] and not a.lacks(recipe2)
+    shutil.copyfile(rb / d2, ra / d2)
+    same(tmp_path / "i2", rebuild(a, ra, d2, tmp_path / "r2"))
+    same(tmp_path / "i3", rebuild(a, ra, d3, tmp_path / "r3"))

@@ -83,8 +83,8 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
     Sent until envd answers it, for up to `timeout` seconds, as `wait_healthy` polls (`is_alive` as
     there): right after a start or restore it is the readiness check, with no health check's round
     trip before it. The same body goes each time, so a second copy of an /init whose answer was lost
-    changes nothing (envd: `timestamp`). An HTTP error answer fails at once: trying again cannot
-    change it.
+    changes nothing (envd: `timestamp`); if the first copy set a new token, the second proves it with
+    that one. An HTTP error answer fails at once: trying again cannot change it.
     """
     body: dict[str, object] = {
         "accessToken": access_token,
@@ -100,9 +100,18 @@ async def init(host_ip: str, *, access_token: str | None, env_vars: dict[str, st
     if current_token:
         headers["X-Access-Token"] = current_token
     url = f"http://{host_ip}:{ENVD_PORT}/init"
+    sent = 0
 
-    async def send(http: aiohttp.ClientSession, t: aiohttp.ClientTimeout) -> bool:
+    async def send(http: aiohttp.ClientSession, t: aiohttp.ClientTimeout) -> bool | str:
+        nonlocal sent
+        sent += 1
         async with http.post(url, json=body, headers=headers, timeout=t) as resp:
+            if resp.status == 401 and sent > 1 and access_token and headers.get("X-Access-Token") != access_token:
+                # An earlier copy may have been applied with its answer lost: envd then holds the new
+                # token, which the old one no longer passes (nor the host token, on a restore of another
+                # node's image). Whoever holds the new token may resend it: once more, with that one.
+                headers["X-Access-Token"] = access_token
+                return "HTTP 401 to the token before this /init (an earlier copy was applied)"
             if resp.status >= 300:
                 text = (await resp.text())[:500]
                 raise RuntimeFailure(f"envd /init failed: HTTP {resp.status}: {text}")

@@ -365,8 +365,11 @@ class PageStore:
             if sparse:
                 self._compact(sparse, index, live)
                 stats["packs_compacted"] = len(sparse)
+            lost: set[bytes] = set()
             for pack in dead + sparse:
-                self._drop_pack(pack, index, members[pack])
+                lost |= self._drop_pack(pack, index, members[pack])
+            if lost:
+                self._refind(lost, index)
             stats["packs_deleted"] = len(dead)
             stats["bytes_reclaimed"] = max(0, before - self.stored_bytes())
             return stats
@@ -389,12 +392,28 @@ class PageStore:
             raise
         index.update(moved)
 
-    def _drop_pack(self, pack: str, index: dict, digests: list[bytes]) -> None:
+    def _drop_pack(self, pack: str, index: dict, digests: list[bytes]) -> set[bytes]:
+        """Delete a pack; returns the digests the index no longer finds (another pack may hold them)."""
         (self.packs / f"{pack}.idx").unlink(missing_ok=True)  # index first: a pack without one is garbage
         (self.packs / f"{pack}.pack").unlink(missing_ok=True)
+        lost = set()
         for d in digests:
             if index.get(d, ("",))[0] == pack:
                 del index[d]
+                lost.add(d)
+        return lost
+
+    def _refind(self, lost: set[bytes], index: dict) -> None:
+        """Point the index at the packs left that hold pages of a dropped one. A page is indexed once
+        (`adopt` of a pulled pack keeps the older entry for a page this node had), so a pack kept here
+        may hold a page whose entry went with the pack it pointed to; a node then saw that pack and
+        pulled nothing, but could not find the page."""
+        for p in sorted(self.packs.glob("*.idx")):
+            raw = p.read_bytes()
+            for i in range(0, len(raw), DIGEST):
+                d = raw[i:i + DIGEST]
+                if d in lost and d not in index:
+                    index[d] = (p.name[:-4], i // DIGEST)
 
 
 def _pages(f):

@@ -62,3 +62,48 @@ async def test_a_refused_bring_up_init_is_not_sent_again(envd_factory):
         await envd_client.init(ip, **init_kwargs("not-the-host-token", "second"), timeout=30)
     assert time.monotonic() - began < 5
     assert requests.get(envd.url + "/envs", headers={"X-Access-Token": "first"}, timeout=10).status_code == 200
+
+
+async def test_an_init_applied_but_unanswered_is_resent_with_the_token_it_set(envd_factory):
+    """A restore of another node's image: envd holds the image's token and that node's host token.
+    The first /init reaches envd and sets the new token, but its answer is lost on the way back;
+    the copy sent again must not be refused for carrying the old token (seen in the cluster soak)."""
+    envd_ip, ip = loopback(), loopback()
+    envd = await asyncio.to_thread(envd_factory, {"AGENTENV_ENVD_HOST_TOKEN": "the-other-nodes"},
+                                   host=envd_ip, port=ENVD_PORT)
+    r = requests.post(envd.url + "/init", json={"accessToken": "old"}, timeout=10)
+    assert r.status_code == 204, r.text
+    answers_dropped = 0
+
+    async def message(stream: asyncio.StreamReader) -> bytes:
+        head = await stream.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        return head + await stream.readexactly(length)
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Passes each request on to envd; the first answer goes nowhere (the connection just ends)."""
+        nonlocal answers_dropped
+        up_r, up_w = await asyncio.open_connection(envd_ip, ENVD_PORT)
+        try:
+            up_w.write(await message(reader))
+            answer = await message(up_r)
+            if answers_dropped == 0:
+                answers_dropped += 1
+                return
+            writer.write(answer)
+            await writer.drain()
+        finally:
+            up_w.close()
+            writer.close()
+
+    server = await asyncio.start_server(relay, ip, ENVD_PORT)
+    try:
+        await envd_client.init(ip, **init_kwargs("this-nodes", "new"), current_token="old", timeout=30)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert answers_dropped == 1
+    assert requests.get(envd.url + "/envs", headers={"X-Access-Token": "old"}, timeout=10).status_code == 401
+    r = requests.get(envd.url + "/envs", headers={"X-Access-Token": "new"}, timeout=10)
+    assert r.status_code == 200 and r.json().get("BRING_UP") == "yes", r.text
