@@ -748,6 +748,22 @@ class Raw:
         if become_subreaper():
             self._reaper = asyncio.ensure_future(reap_forever())
         await self.net.setup_host()
+        await self._clear_leftovers()
+
+    async def _clear_leftovers(self) -> None:
+        """What a run killed before its cleanup (SIGKILL, a lost machine) left under this harness's own
+        runsc root, sandbox dir and instance tag: containers, overlays, netns and links."""
+        ids = set(await self.rt.list_ids())
+        sandboxes = self.settings.paths.sandboxes
+        ids |= {d.name for d in sandboxes.iterdir()} if sandboxes.is_dir() else set()
+        for sid in sorted(ids):
+            log(f"raw: removing {sid}, left by an earlier run")
+            await self.rt.stop(sid)
+            await self.rootfs.release(sid)
+        await self.net.discover()
+        gone = await self.net.cleanup_orphans(keep=set())
+        if gone:
+            log(f"raw: removed {len(gone)} network slots left by an earlier run")
 
     async def _prepare(self, sid: str, layer: Path | None = None):
         """Overlay (`layer`, e.g. a checkpointed container's upper, over the base) + network slot."""
@@ -877,6 +893,20 @@ class Raw:
         t3 = time.monotonic()
         return {"total": t3 - t0, "prepare": t1 - t0, "runsc_restore": t2 - t1, "to_answer": t3 - t2}
 
+    async def restore_to_first_command(self, image: Path, layer: Path) -> float:
+        """The raw steps a create from the warm image stands for: a new overlay (`layer` over the base)
+        and slot, `runsc restore` of `image` (a container running envd), envd's first `/health`, one
+        `bash -l -c true` through envd's process API. Returns the seconds until that command answered;
+        the teardown after it is not timed (a kill is not part of agentenv's sample either)."""
+        sid = self.new_id()
+        t0 = time.monotonic()
+        try:
+            await self.restore_into(sid, image, envd=True, layer=layer)
+            await self.first_command(sid)
+            return time.monotonic() - t0
+        finally:
+            await self.destroy(sid)
+
     async def lifecycle(self, image: Path, layer: Path, clients: int, seconds: float) -> dict:
         """The raw steps of a lifecycle cycle (create → one command → kill), `clients` loops at once for
         `seconds`: overlay (`layer` over the base) + slot, `runsc restore` of a container running envd
@@ -936,7 +966,14 @@ class Raw:
 
     async def close(self) -> None:
         """Every raw container gone, the instance's host setup (nft table) removed, the reaper stopped."""
+        # A step cut short (SIGTERM, Ctrl-C) leaves its task pending in this loop: end it first, so it
+        # does not go on starting a container while the cleanup runs.
+        cut = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t is not self._reaper]
+        for t in cut:
+            t.cancel()
+        await asyncio.gather(*cut, return_exceptions=True)
         await self.destroy_all()
+        await self._clear_leftovers()
         await self.net.close()
         await self.net.teardown_host()
         if self._reaper is not None:
@@ -983,16 +1020,32 @@ class Bench:
         n = 10 if self.quick else 30
         # Samples survive a retry after the server was killed from outside (see run_all).
         ours, phases = self._acc.setdefault("create_ours", []), self._acc.setdefault("create_phases", [])
-        log(f"create: {n - len(ours)} sandboxes via SDK")
-        while len(ours) < n:
-            t0 = time.monotonic()
-            sbx = self.create()
-            t1 = time.monotonic()
-            sbx.commands.run("true")
-            t2 = time.monotonic()
-            ours.append(t2 - t0)
-            phases.append({"create": t1 - t0, "first_cmd": t2 - t1})
-            sbx.kill()
+        # The raw step a create stands for, taken in turn with agentenv's samples (one each, the order
+        # swapped every pair) so both see the same load: the machine is shared, and a raw row taken
+        # minutes apart moved the ratio by ±10 % (thirty-third session).
+        paired = self._acc.setdefault("create_raw_paired", [])
+        img, layer = self.raw.root / "ckpt-create", self.raw.root / "layer-create"
+        self.raw.run(self.raw.image(img, layer))
+        log(f"create: {n - len(ours)} sandboxes via SDK, each beside one raw restore → envd → one command")
+        try:
+            while len(ours) < n:
+                raw_first = len(ours) % 2 == 1
+                if raw_first:
+                    r = self.raw.run(self.raw.restore_to_first_command(img, layer))
+                t0 = time.monotonic()
+                sbx = self.create()
+                t1 = time.monotonic()
+                sbx.commands.run("true")
+                t2 = time.monotonic()
+                ours.append(t2 - t0)
+                phases.append({"create": t1 - t0, "first_cmd": t2 - t1})
+                sbx.kill()
+                if not raw_first:
+                    r = self.raw.run(self.raw.restore_to_first_command(img, layer))
+                paired.append((t2 - t0, r))
+        finally:
+            shutil.rmtree(img, ignore_errors=True)
+            shutil.rmtree(layer, ignore_errors=True)
         log(f"create: {n} raw runsc run (python TCP answer)")
         raw, raw_phases = [], []
         for _ in range(n):
@@ -1011,6 +1064,10 @@ class Bench:
             "raw_envd_to_healthy": stats([p["to_answer"] for p in raw_envd]),
             "ours": stats(ours), "ours_create_call": stats([p["create"] for p in phases]),
             "ours_first_cmd": stats([p["first_cmd"] for p in phases]),
+            "raw_envd_restore_to_first_cmd": stats([r for _o, r in paired]),
+            # each agentenv sample over the raw one taken next to it (a pair a server restart broke
+            # is not in the list)
+            "paired_ratio": stats([o / r for o, r in paired]),
             "raw": stats(raw), "raw_runsc_run": stats([p["runsc_run"] for p in raw_phases]),
             "raw_prepare": stats([p["prepare"] for p in raw_phases]),
             "raw_to_answer": stats([p["to_answer"] for p in raw_phases])}
@@ -1121,8 +1178,40 @@ class Bench:
     # 4a -----------------------------------------------------------------
     def bench_pause_resume(self) -> None:
         reps = 2 if self.quick else 5
-        log(f"pause/resume: {reps} reps (SDK) + {reps} raw checkpoint/restore")
+        log(f"pause/resume: {reps} reps (SDK), each beside one rep of the raw checkpoints/restores")
         pause, resume, first, right_after = [], [], [], []
+        # The raw steps twice: a bare container (a tiny TCP server), and one running envd as a sandbox
+        # does, whose memory image is the size of a sandbox's (what a resume restores).
+        # The envd container is checkpointed as the warm image is (after one login shell), and after its
+        # restore runs one `bash -l -c true` through envd, as `commands.run` does (`raw_envd_first_cmd`).
+        # Each rep of them runs right after one agentenv rep, so both see the same load.
+        raw: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}
+        raw_first: list[float] = []
+        raw_frozen: list[float] = []
+        img = self.raw.root / "ckpt-pr"
+
+        def raw_rep() -> None:
+            for envd, (ck, rs) in raw.items():
+                sid, _ph = self.raw.run(self.raw.start(envd=envd))
+                try:
+                    if envd:
+                        self.raw.run(self.raw.warm_envd(sid))
+                    ck.append(self.raw.run(self.raw.checkpoint(sid, img)))
+                    t0 = time.monotonic()
+                    rs.append(self.raw.run(self.raw.restore_into(sid, img, envd=envd))["total"])
+                    if envd:
+                        self.raw.run(self.raw.first_command(sid))
+                        raw_first.append(time.monotonic() - t0)
+                finally:
+                    self.raw.run(self.raw.destroy(sid))
+            # the capture a pause makes (freeze + checkpoint that leaves it running), on envd
+            sid, _ph = self.raw.run(self.raw.start(envd=True))
+            try:
+                self.raw.run(self.raw.warm_envd(sid))
+                raw_frozen.append(self.raw.run(self.raw.checkpoint(sid, img, frozen=True)))
+            finally:
+                self.raw.run(self.raw.destroy(sid))
+
         # A pause answers once the image is written and stops the frozen container after that
         # (~0.15 s): the resumes below come 1 s later, as a resume after an agent's pause does; one
         # more pair resumes at once, and waits for that stand-down (`right_after`).
@@ -1146,35 +1235,8 @@ class Bench:
                     self.Sandbox.kill(sbx.sandbox_id)
                 except Exception:  # noqa: BLE001
                     pass
-        # The raw steps twice: a bare container (a tiny TCP server), and one running envd as a sandbox
-        # does, whose memory image is the size of a sandbox's (what a resume restores).
-        # The envd container is checkpointed as the warm image is (after one login shell), and after its
-        # restore runs one `bash -l -c true` through envd, as `commands.run` does (`raw_envd_first_cmd`).
-        raw: dict[bool, tuple[list, list]] = {False: ([], []), True: ([], [])}
-        raw_first: list[float] = []
-        raw_frozen: list[float] = []
-        img = self.raw.root / "ckpt-pr"
-        for _ in range(reps):
-            for envd, (ck, rs) in raw.items():
-                sid, _ph = self.raw.run(self.raw.start(envd=envd))
-                try:
-                    if envd:
-                        self.raw.run(self.raw.warm_envd(sid))
-                    ck.append(self.raw.run(self.raw.checkpoint(sid, img)))
-                    t0 = time.monotonic()
-                    rs.append(self.raw.run(self.raw.restore_into(sid, img, envd=envd))["total"])
-                    if envd:
-                        self.raw.run(self.raw.first_command(sid))
-                        raw_first.append(time.monotonic() - t0)
-                finally:
-                    self.raw.run(self.raw.destroy(sid))
-            # the capture a pause makes (freeze + checkpoint that leaves it running), on envd
-            sid, _ph = self.raw.run(self.raw.start(envd=True))
-            try:
-                self.raw.run(self.raw.warm_envd(sid))
-                raw_frozen.append(self.raw.run(self.raw.checkpoint(sid, img, frozen=True)))
-            finally:
-                self.raw.run(self.raw.destroy(sid))
+            if rep < reps:
+                raw_rep()
         shutil.rmtree(img, ignore_errors=True)
         self.results["pause_resume"] = {"ours_pause": stats(pause), "ours_connect": stats(resume),
                                         "ours_connect_to_first_cmd": stats(first),
@@ -1753,15 +1815,25 @@ def report(res: dict) -> str:
         for label, k in [("**agentenv**: `Sandbox.create()` + `commands.run('true')`", "ours"),
                          ("  of which `Sandbox.create()`", "ours_create_call"),
                          ("  of which first `commands.run`", "ours_first_cmd"),
+                         ("**raw, what a create stands for**, taken in turn with the agentenv samples: overlay + "
+                          "slot + `runsc restore` of a warm envd image → `/health` → one `bash -l -c true` "
+                          "through envd", "raw_envd_restore_to_first_cmd"),
                          ("**raw**: overlay + netns slot + `runsc run` + first TCP answer", "raw"),
                          ("  of which `runsc run --detach`", "raw_runsc_run"),
                          ("  of which overlay mount + netns slot", "raw_prepare"),
                          ("  of which run → process answers", "raw_to_answer"),
                          ("**raw, envd as process**: same, until envd `GET /health` answers", "raw_envd"),
                          ("  of which run → envd healthy", "raw_envd_to_healthy")]:
-            st = c[k]
+            st = c.get(k)
+            if st is None:  # results from before this row existed
+                continue
             L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['p95'])} | {ms(st['max'])} |")
         L.append("")
+        pr = c.get("raw_envd_restore_to_first_cmd")
+        if pr and pr.get("n"):
+            L += [f"Create → first command against the raw step taken beside it: p50 "
+                  f"{c['ours']['p50'] / pr['p50']:.2f}×, p95 {c['ours']['p95'] / pr['p95']:.2f}×; the median of "
+                  f"the {c['paired_ratio']['n']} pairs' own ratios {c['paired_ratio']['p50']:.2f}× (goal ≤ 1.1×).", ""]
     idle = res.get("idle")
     if idle:
         L += [f"### 1b. An idle sandbox's host CPU ({idle['n']} of each, side by side, {idle['seconds']:.0f} s)", "",
@@ -1840,6 +1912,12 @@ def report(res: dict) -> str:
             if st:
                 L.append(f"| {label} | {st['n']} | {ms(st['p50'])} | {ms(st['max'])} |")
         L.append("")
+        rf, rc, rz = (p.get(k) for k in ("raw_envd_restore_to_first_cmd", "raw_envd_checkpoint",
+                                         "raw_envd_frozen_checkpoint"))
+        if rf and rf.get("n") and rc and rc.get("n") and rz and rz.get("n"):
+            L += [f"p50 ratios: pause {p['ours_pause']['p50'] / rc['p50']:.2f}× the raw `runsc checkpoint` (envd), "
+                  f"{p['ours_pause']['p50'] / rz['p50']:.2f}× the raw capture a pause makes (goal ≤ 1.3×); resume → first command {p['ours_connect_to_first_cmd']['p50'] / rf['p50']:.2f}× "
+                  "the raw restore → envd → one command (goal ≤ 1.2×).", ""]
     fk = res.get("fork")
     if fk:
         L += ["### 4b. Fork", "",
@@ -2194,6 +2272,13 @@ def main() -> int:
         print("run as root (runsc, netns, mounts)", file=sys.stderr)
         return 2
     only = {x.strip() for x in args.only.split(",") if x.strip()}
+
+    def interrupted(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM (`timeout`, a CI runner) as Ctrl-C: the cleanup below still runs and the partial results
+    # are written.
+    signal.signal(signal.SIGTERM, interrupted)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t_start = time.monotonic()
     res: dict = {"meta": {"started": started, "quick": args.quick, "load_start": loadavg(),
@@ -2217,11 +2302,12 @@ def main() -> int:
             res.update(b.results)
         if not only or "cluster" in only:
             res["cluster"] = cluster_bench(args.quick)
-    except Exception:  # noqa: BLE001
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001
         res.setdefault("errors", {})["main"] = traceback.format_exc()
         log(traceback.format_exc())
         rc = 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup is not cut short by a second one
         if raw is not None:
             try:
                 raw.run(raw.close())
@@ -2231,8 +2317,8 @@ def main() -> int:
             srv.stop()
         res["meta"]["gc"] = srv.gc()
         left = sh(["sh", "-c", f"grep -c ' {BENCH_DIR}' /proc/self/mountinfo; "
-                   f"runsc --root={BENCH_DIR}/run/runsc list -q 2>/dev/null | wc -l; "
-                   f"runsc --root={BENCH_DIR}/raw/run/runsc list -q 2>/dev/null | wc -l"]).stdout.split()
+                   f"runsc --root={BENCH_DIR}/run/runsc list -quiet 2>/dev/null | wc -l; "
+                   f"runsc --root={BENCH_DIR}/raw/run/runsc list -quiet 2>/dev/null | wc -l"]).stdout.split()
         res["meta"]["leftover_mounts_containers"] = left
         log(f"cleanup: gc={res['meta']['gc']!r}; leftover mounts/containers/raw containers: {left}")
     res["meta"]["load_end"] = loadavg()

@@ -164,9 +164,8 @@ class PageStore:
                 if stem + ".pack" not in names:
                     (self.packs / name).unlink(missing_ok=True)
                     continue
-                raw = (self.packs / name).read_bytes()
-                for i in range(0, len(raw), DIGEST):
-                    index.setdefault(raw[i:i + DIGEST], (stem, i // DIGEST))
+                for n, digest in _digests((self.packs / name).read_bytes()):
+                    index.setdefault(digest, (stem, n))
         self._index = index
         return index
 
@@ -332,8 +331,8 @@ class PageStore:
                 return 0
             os.replace(downloaded, self.packs / f"{name}.pack")
             _write_durably(self.packs / f"{name}.idx", bytes(index_bytes))
-            for i in range(0, len(index_bytes), DIGEST):
-                index.setdefault(bytes(index_bytes[i:i + DIGEST]), (name, i // DIGEST))
+            for n, digest in _digests(bytes(index_bytes)):
+                index.setdefault(digest, (name, n))
             return len(index_bytes) // DIGEST
 
     # ---------------------------------------------------------------- garbage collection
@@ -381,11 +380,9 @@ class PageStore:
         try:
             for pack in packs:
                 with open(self.packs / f"{pack}.pack", "rb") as pf:
-                    raw = (self.packs / f"{pack}.idx").read_bytes()
-                    for i in range(0, len(raw), DIGEST):
-                        d = raw[i:i + DIGEST]
-                        if d in live and index.get(d) == (pack, i // DIGEST) and d not in moved:
-                            moved[d] = (writer.name, writer.add(d, os.pread(pf.fileno(), PAGE, (i // DIGEST) * PAGE)))
+                    for n, d in _digests((self.packs / f"{pack}.idx").read_bytes()):
+                        if d in live and index.get(d) == (pack, n) and d not in moved:
+                            moved[d] = (writer.name, writer.add(d, os.pread(pf.fileno(), PAGE, n * PAGE)))
             writer.commit()  # durable before any old pack goes
         except BaseException:
             writer.abort()
@@ -409,11 +406,15 @@ class PageStore:
         may hold a page whose entry went with the pack it pointed to; a node then saw that pack and
         pulled nothing, but could not find the page."""
         for p in sorted(self.packs.glob("*.idx")):
-            raw = p.read_bytes()
-            for i in range(0, len(raw), DIGEST):
-                d = raw[i:i + DIGEST]
+            for n, d in _digests(p.read_bytes()):
                 if d in lost and d not in index:
-                    index[d] = (p.name[:-4], i // DIGEST)
+                    index[d] = (p.name[:-4], n)
+
+
+def _digests(raw: bytes):
+    """(page number, digest) for each entry of a pack's `.idx` bytes."""
+    for i in range(0, len(raw), DIGEST):
+        yield i // DIGEST, raw[i:i + DIGEST]
 
 
 def _pages(f):
