@@ -141,36 +141,31 @@ def _clients(bench, clients: int, seconds: float) -> dict:
             "machine_cpu_s": cpu, "cpu_ms_per_cycle": 1000 * cpu / len(lat) if lat else None}
 
 
-def _raw_lifecycle(bench, log, stats, clients_list: tuple[int, ...], seconds: float) -> dict:
-    """The same cycles on bare runsc (`Raw.lifecycle`), from an image of a container running envd,
-    taken as agentenv takes its warm image (after one login shell)."""
-    raw = bench.raw
-    image, layer = raw.root / "ckpt-lifecycle", raw.root / "layer-lifecycle"
-    raw.run(raw.image(image, layer))
-    out: dict = {}
-    try:
-        for clients in clients_list:
-            log(f"lifecycle: raw, {clients} clients, {seconds} s")
-            r = raw.run(raw.lifecycle(image, layer, clients, seconds))
-            r["latency"] = stats(r["latency"])
-            out[f"raw_c{clients}"] = r
-            log(f"lifecycle: raw {r['per_s']:.2f}/s ({r['per_s_per_core']:.2f}/s per core), "
-                f"{r['cpu_ms_per_cycle'] or 0:.0f} ms CPU a cycle, errors {len(r['errors'])}")
-    finally:
-        shutil.rmtree(image, ignore_errors=True)
-        shutil.rmtree(layer, ignore_errors=True)
-    return out
+def _raw_lifecycle(bench, log, stats, image, layer, clients: int, seconds: float) -> dict:
+    """The same cycles on bare runsc (`Raw.lifecycle`) from `image`, a container running envd taken as
+    agentenv takes its warm image (after one login shell)."""
+    log(f"lifecycle: raw, {clients} clients, {seconds} s")
+    r = bench.raw.run(bench.raw.lifecycle(image, layer, clients, seconds))
+    r["latency"] = stats(r["latency"])
+    log(f"lifecycle: raw {r['per_s']:.2f}/s ({r['per_s_per_core']:.2f}/s per core), "
+        f"{r['cpu_ms_per_cycle'] or 0:.0f} ms CPU a cycle, errors {len(r['errors'])}")
+    return r
 
 
 def bench_lifecycle(bench, log, stats) -> None:
     seconds = 15 if bench.quick else 30
     out: dict = {"seconds": seconds, "cores": os.cpu_count()}
-    if bench.raw is not None:
-        out.update(_raw_lifecycle(bench, log, stats, (4, 8), seconds))
+    raw = bench.raw
+    image, layer = (raw.root / "ckpt-lifecycle", raw.root / "layer-lifecycle") if raw else (None, None)
     try:
+        if raw is not None:
+            raw.run(raw.image(image, layer))
         for pool in sorted({0, POOL_SIZE}):
             restart(bench, pool)
             for clients in (4, 8):
+                # the raw run right before agentenv's without a pool, so the two see the same load
+                if raw is not None and pool == 0:
+                    out[f"raw_c{clients}"] = _raw_lifecycle(bench, log, stats, image, layer, clients, seconds)
                 log(f"lifecycle: {clients} clients, pool {pool}, {seconds} s")
                 r = _clients(bench, clients, seconds)
                 r["latency"] = stats(r["latency"])
@@ -179,6 +174,9 @@ def bench_lifecycle(bench, log, stats) -> None:
                     f"p50 {r['latency']['p50']:.2f}s, {r['cpu_ms_per_cycle'] or 0:.0f} ms CPU a cycle, "
                     f"errors {len(r['errors'])}")
     finally:
+        if raw is not None:
+            shutil.rmtree(image, ignore_errors=True)
+            shutil.rmtree(layer, ignore_errors=True)
         restart(bench, 0)
     bench.results["lifecycle"] = out
 
