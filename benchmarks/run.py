@@ -751,19 +751,20 @@ class Raw:
         await self._clear_leftovers()
 
     async def _clear_leftovers(self) -> None:
-        """What a run killed before its cleanup (SIGKILL, a lost machine) left under this harness's own
-        runsc root, sandbox dir and instance tag: containers, overlays, netns and links."""
+        """Whatever is under this harness's own runsc root, sandbox dir and instance tag (containers,
+        overlays, netns and links) that no live container holds: a run killed before its cleanup
+        (SIGKILL, a lost machine) left it, or a step cut short did."""
         ids = set(await self.rt.list_ids())
         sandboxes = self.settings.paths.sandboxes
         ids |= {d.name for d in sandboxes.iterdir()} if sandboxes.is_dir() else set()
-        for sid in sorted(ids):
-            log(f"raw: removing {sid}, left by an earlier run")
+        for sid in sorted(ids - set(self.live)):
+            log(f"raw: removing {sid}, left behind")
             await self.rt.stop(sid)
             await self.rootfs.release(sid)
         await self.net.discover()
-        gone = await self.net.cleanup_orphans(keep=set())
+        gone = await self.net.cleanup_orphans(keep=set(self.live))
         if gone:
-            log(f"raw: removed {len(gone)} network slots left by an earlier run")
+            log(f"raw: removed {len(gone)} network slots left behind")
 
     async def _prepare(self, sid: str, layer: Path | None = None):
         """Overlay (`layer`, e.g. a checkpointed container's upper, over the base) + network slot."""
@@ -952,13 +953,6 @@ class Raw:
         except Exception as e:  # noqa: BLE001
             log(f"raw rootfs release {sid}: {e}")
 
-    async def destroy_all(self) -> None:
-        for sid in list(self.live):
-            await self.destroy(sid)
-        # anything our runsc root still knows (e.g. after a crash)
-        for sid in await self.rt.list_ids():
-            await self.rt.stop(sid)
-
     async def server_slots(self) -> dict:
         """The server's sandboxes' network slots (its instance, not this harness's), by sandbox id."""
         from agentenv.network.manager import NetworkManager
@@ -972,8 +966,9 @@ class Raw:
         for t in cut:
             t.cancel()
         await asyncio.gather(*cut, return_exceptions=True)
-        await self.destroy_all()
-        await self._clear_leftovers()
+        for sid in list(self.live):
+            await self.destroy(sid)
+        await self._clear_leftovers()  # what no live container held (a step cut short mid-start)
         await self.net.close()
         await self.net.teardown_host()
         if self._reaper is not None:
